@@ -1,0 +1,7 @@
+"""blockattn: block-diagonal attention on jagged sequences, as GPU kernels (Triton) with a PyTorch CPU path."""
+
+from . import reference
+from .attention import block_attention
+
+__all__ = ["block_attention", "reference"]
+__version__ = "0.1.0"

@@ -1,0 +1,282 @@
+"""Implementations that `bench` times: blockattn and every alternative a user would otherwise reach for.
+
+Each factory takes a :class:`Case` and returns a :class:`Runner`, or raises :class:`Unavailable` with the reason
+shown in the report. The harness checks every runner's result against blockattn before timing it, so a baseline
+that computes something else never makes it into the table.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import blockattn
+from blockattn.layout import block_rows
+
+
+class Unavailable(Exception):
+    """This baseline cannot run here; the message says why."""
+
+
+@dataclass
+class Case:
+    """One workload's inputs on the GPU, plus the block structure the baselines need (computed once, untimed)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    do: torch.Tensor
+    offsets: torch.Tensor
+    block_size: int
+    scale: float
+    rows: torch.Tensor = field(init=False)  # [num_blocks, BS] token rows of each real block
+    valid: torch.Tensor = field(init=False)  # [num_blocks, BS] which of them exist
+    cu_blocks: torch.Tensor = field(init=False)  # int32 [num_blocks + 1]: one boundary per block
+
+    def __post_init__(self):
+        rows, valid = block_rows(self.offsets, self.q.shape[0], self.block_size)
+        real = valid[:, 0]
+        self.rows, self.valid = rows[real], valid[real]
+        lengths = self.valid.sum(1, dtype=torch.int32)
+        self.cu_blocks = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q, self.k, self.v
+
+    @property
+    def gqa(self) -> bool:
+        return self.q.shape[1] != self.k.shape[1]
+
+
+@dataclass
+class Runner:
+    """What the harness times and checks.
+
+    ``fwd()``, ``bwd()`` (from a saved forward) and ``fwdbwd()`` are timed; ``check()`` returns
+    ``(out, dq, dk, dv)`` in the ``[N, H, D]`` layout for the exactness check and the accuracy report. ``extra``
+    holds work the runner needs but that is reported apart (padding, mask building), keyed by what it is.
+    """
+
+    fwd: Callable[[], object]
+    bwd: Callable[[], object]
+    fwdbwd: Callable[[], object]
+    check: Callable[[], tuple[torch.Tensor, ...]]
+    extra: dict[str, Callable[[], object]] = field(default_factory=dict)
+
+
+def autograd_runner(forward: Callable[..., torch.Tensor], inputs, do, to_tokens=lambda x: x, **extra) -> Runner:
+    """Runner for anything differentiable: ``forward(q, k, v) -> out``; ``to_tokens`` maps results to [N, H, D]."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    saved = forward(*leaves)
+
+    def fwdbwd():
+        out = forward(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    return Runner(
+        fwd=lambda: forward(*inputs),
+        bwd=lambda: torch.autograd.grad(saved, leaves, do, retain_graph=True),
+        fwdbwd=fwdbwd,
+        check=lambda: tuple(to_tokens(t) for t in fwdbwd()),
+        **extra,
+    )
+
+
+def blockattn_runner(case: Case) -> Runner:
+    def forward(q, k, v):
+        return blockattn.block_attention(q, k, v, case.offsets, block_size=case.block_size, scale=case.scale)
+
+    runner = autograd_runner(forward, case.inputs, case.do)
+    # The backward op alone, as autograd calls it: no graph bookkeeping in the figure.
+    runner.bwd = lambda: torch.ops.blockattn.block_attention_bwd(
+        case.do, case.q, case.k, case.v, case.offsets, case.block_size, case.scale
+    )
+    return runner
+
+
+def flash2_aten_runner(case: Case) -> Runner:
+    """PyTorch's own FlashAttention-2 build with one ``cu_seqlens`` boundary per block: exactly block-diagonal."""
+    if case.q.dtype not in (torch.float16, torch.bfloat16):
+        raise Unavailable(f"FlashAttention-2 takes fp16/bf16, not {case.q.dtype}")
+    cu, bs = case.cu_blocks, case.block_size
+
+    def forward(q, k, v):
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, bs, bs, 0.0, False, False, scale=case.scale)
+
+    def backward(out, lse, rng, unused):
+        return torch.ops.aten._flash_attention_backward(
+            case.do, case.q, case.k, case.v, out, lse, cu, cu, bs, bs, 0.0, False, rng, unused, scale=case.scale
+        )
+
+    try:
+        saved = forward(*case.inputs)
+    except RuntimeError as error:
+        raise Unavailable(f"aten FlashAttention-2 failed: {str(error).splitlines()[0]}") from None
+
+    def fwdbwd():
+        out, lse, rng, unused, _ = forward(*case.inputs)
+        return (out, *backward(out, lse, rng, unused))
+
+    return Runner(fwd=lambda: forward(*case.inputs)[0], bwd=lambda: backward(*saved[:4]), fwdbwd=fwdbwd,
+                  check=fwdbwd)
+
+
+def padded_sdpa_runner(backend: torch.nn.attention.SDPBackend) -> Callable[[Case], Runner]:
+    """SDPA on ``[num_blocks, H, BS, D]`` padded blocks; padded keys are masked out, so the result is exact."""
+
+    def make(case: Case) -> Runner:
+        from torch.nn.attention import sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        n = case.q.shape[0]
+        gather_rows = torch.where(case.valid, case.rows, n)  # row n is a zero row appended for the padding
+        all_full = bool(case.valid.all())
+        if backend == torch.nn.attention.SDPBackend.FLASH_ATTENTION and not all_full:
+            raise Unavailable("takes no mask, and partial blocks need their padded keys masked out")
+        mask = None if all_full else case.valid[:, None, None, :]
+
+        def pad(x):
+            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[gather_rows].transpose(1, 2)
+
+        def unpad(blocks):
+            out = blocks.new_empty(n + 1, *blocks.shape[1:2], blocks.shape[-1])
+            out[gather_rows.flatten()] = blocks.transpose(1, 2).flatten(0, 1)
+            return out[:n]
+
+        def attention(q, k, v):
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v, attn_mask=mask, scale=case.scale, enable_gqa=case.gqa)
+
+        padded = [pad(t) for t in case.inputs]
+        try:
+            runner = autograd_runner(attention, padded, pad(case.do), to_tokens=unpad)
+        except RuntimeError as error:
+            raise Unavailable(f"refused these inputs: {str(error).splitlines()[0]}") from None
+        runner.extra = {
+            "pad q,k,v + unpad out": lambda: [pad(t) for t in case.inputs] + [unpad(padded[0])],
+            "pad do + unpad dq,dk,dv": lambda: [pad(case.do)] + [unpad(t) for t in padded],
+        }
+        return runner
+
+    return make
+
+
+FLEX_TILE = 128
+
+
+def flex_block_mask(case: Case):
+    """FlexAttention block mask over all tokens as one sequence: query and key in the same block.
+
+    Built from the known structure rather than by evaluating the mask everywhere: a 128-query tile can only meet
+    keys in its own and the two neighbouring 128-key tiles, and the ``mask_mod`` decides the pattern inside them.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n, device = case.q.shape[0], case.q.device
+    num_tiles = -(-n // FLEX_TILE)
+    block_id = torch.empty(n, dtype=torch.int32, device=device)
+    ids = torch.arange(case.rows.shape[0], dtype=torch.int32, device=device)
+    block_id[case.rows[case.valid]] = ids[:, None].expand_as(case.rows)[case.valid]
+    neighbours = torch.arange(num_tiles, device=device)[:, None] + torch.tensor([-1, 0, 1], device=device)
+    in_range = (neighbours >= 0) & (neighbours < num_tiles)
+    # Valid tiles first, as BlockMask expects; it wants one column per kv tile, the tail is never read.
+    order = torch.argsort((~in_range).int(), dim=1, stable=True)
+    kv_indices = torch.zeros(num_tiles, num_tiles, dtype=torch.int32, device=device)
+    kv_indices[:, : min(3, num_tiles)] = torch.gather(neighbours.clamp(0, num_tiles - 1), 1, order)[:, :num_tiles]
+    kv_num_blocks = in_range.sum(1, dtype=torch.int32)
+
+    def same_block(b, h, q_idx, kv_idx):
+        return block_id[q_idx] == block_id[kv_idx]
+
+    return BlockMask.from_kv_blocks(kv_num_blocks[None, None], kv_indices[None, None], BLOCK_SIZE=FLEX_TILE,
+                                    mask_mod=same_block, seq_lengths=(n, n))
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[N, H, D]`` -> ``[1, H, N, D]``, a view."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def flex_runner(case: Case) -> Runner:
+    """FlexAttention (compiled) with :func:`flex_block_mask`; building the mask is reported apart."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    block_mask = flex_block_mask(case)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def attention(q, k, v):
+        return compiled(heads_first(q), heads_first(k), heads_first(v), block_mask=block_mask, scale=case.scale,
+                        enable_gqa=case.gqa)
+
+    try:
+        runner = autograd_runner(attention, case.inputs, heads_first(case.do),
+                                 to_tokens=lambda x: x.squeeze(0).transpose(0, 1))
+    except Exception as error:  # compile errors come in many types
+        raise Unavailable(f"FlexAttention failed: {str(error).splitlines()[0]}") from None
+    runner.extra = {"build block mask": lambda: flex_block_mask(case)}
+    return runner
+
+
+def _require(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise Unavailable(f"`{module}` is not installed")
+
+
+def flash_attn_package_runner(module: str, function: str) -> Callable[[Case], Runner]:
+    """The ``flash_attn`` packages' varlen functions (FA2 ``flash_attn``, FA3 ``flash_attn_interface``,
+    FA4 ``flash_attn.cute``), one ``cu_seqlens`` boundary per block."""
+
+    def make(case: Case) -> Runner:
+        _require(module.split(".")[0])
+        varlen = getattr(importlib.import_module(module), function)
+        cu, bs = case.cu_blocks, case.block_size
+
+        def forward(q, k, v):
+            out = varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=bs, max_seqlen_k=bs,
+                         softmax_scale=case.scale)
+            return out[0] if isinstance(out, tuple) else out
+
+        return autograd_runner(forward, case.inputs, case.do)
+
+    return make
+
+
+def xformers_runner(case: Case) -> Runner:
+    _require("xformers")
+    from xformers.ops import memory_efficient_attention
+    from xformers.ops.fmha.attn_bias import BlockDiagonalMask
+
+    if case.gqa:
+        raise Unavailable("GQA needs xformers' 5-D layout; not wired here")
+    block_lengths = case.valid.sum(1).tolist()
+    bias = BlockDiagonalMask.from_seqlens(block_lengths)
+
+    def forward(q, k, v):
+        return memory_efficient_attention(q[None], k[None], v[None], attn_bias=bias, scale=case.scale)[0]
+
+    runner = autograd_runner(forward, case.inputs, case.do)
+    runner.extra = {"build BlockDiagonalMask": lambda: BlockDiagonalMask.from_seqlens(block_lengths)}
+    return runner
+
+
+def _sdpa(name: str):
+    return padded_sdpa_runner(getattr(torch.nn.attention.SDPBackend, name))
+
+
+# Name shown in the report -> factory. FlashAttention-2 (aten) is the reference for the speedups.
+BASELINES: dict[str, Callable[[Case], Runner]] = {
+    "FA2 varlen (aten)": flash2_aten_runner,
+    "SDPA cuDNN padded": _sdpa("CUDNN_ATTENTION"),
+    "SDPA flash padded": _sdpa("FLASH_ATTENTION"),
+    "SDPA mem-eff padded": _sdpa("EFFICIENT_ATTENTION"),
+    "FlexAttention": flex_runner,
+    "xformers BlockDiagonalMask": xformers_runner,
+    "flash_attn FA2": flash_attn_package_runner("flash_attn", "flash_attn_varlen_func"),
+    "flash_attn FA3": flash_attn_package_runner("flash_attn_interface", "flash_attn_varlen_func"),
+    "flash_attn FA4": flash_attn_package_runner("flash_attn.cute", "flash_attn_varlen_func"),
+}
+REFERENCE_BASELINE = "FA2 varlen (aten)"

@@ -1,0 +1,134 @@
+"""Jagged layout: argument validation and the block table every kernel uses to find its block.
+
+A sequence ``b`` owns rows ``offsets[b]:offsets[b+1]`` and is cut into blocks of ``block_size`` tokens starting at
+its first token. The number of blocks is data-dependent, so the kernels are launched over a static upper bound
+(:func:`max_blocks`) and each program looks up its block on the device: no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_SIZES = (16, 32, 64, 128)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+def max_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
+    """Upper bound on the number of blocks: ``sum ceil(len_b / BS) <= (N + B * (BS - 1)) // BS``."""
+    return (num_tokens + num_seqs * (block_size - 1)) // block_size
+
+
+def block_table(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-side block table, built without a host synchronisation.
+
+    Returns ``(block_cum, block_seq)``: ``block_cum[b]`` is the number of blocks in sequences ``0..b`` (inclusive
+    prefix sum) and ``block_seq[s]`` the sequence that grid slot ``s`` belongs to (``B`` for the padding slots past
+    the last block). Slot ``s`` of sequence ``b`` is its block number ``s - (block_cum[b] - nblocks[b])``.
+    """
+    num_seqs = offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    nblocks = torch.div(lengths + (block_size - 1), block_size, rounding_mode="floor")
+    block_cum = torch.cumsum(nblocks, 0)
+    slots = torch.arange(max_blocks(num_tokens, num_seqs, block_size), device=offsets.device, dtype=block_cum.dtype)
+    block_seq = torch.searchsorted(block_cum, slots, right=True, out_int32=True)
+    return block_cum, block_seq
+
+
+def block_rows(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows of every block slot, ``[max_blocks, block_size]``, and which of them are real.
+
+    The PyTorch (CPU) path gathers blocks with these; the Triton kernels compute the same thing per program.
+    """
+    block_cum, block_seq = block_table(offsets, num_tokens, block_size)
+    num_seqs = offsets.numel() - 1
+    seq = block_seq.long().clamp(max=max(num_seqs - 1, 0))
+    seq_start, seq_end = offsets[:-1].long()[seq], offsets[1:].long()[seq]
+    nblocks = torch.div(seq_end - seq_start + (block_size - 1), block_size, rounding_mode="floor")
+    first_slot = block_cum.long()[seq] - nblocks
+    slots = torch.arange(block_seq.numel(), device=offsets.device)
+    start = seq_start + (slots - first_slot) * block_size
+    end = torch.minimum(start + block_size, seq_end)
+    rows = start[:, None] + torch.arange(block_size, device=offsets.device)
+    valid = (rows < end[:, None]) & (block_seq < num_seqs).unsqueeze(1)
+    return rows, valid
+
+
+def _name(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+def validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    block_size: int,
+    scale: float | None,
+) -> None:
+    """Check shapes, dtypes, devices and options; raise ``TypeError``/``ValueError`` naming the argument.
+
+    Only metadata is read here, so this is free and safe under ``torch.compile``. The *values* of ``offsets`` are
+    checked by :func:`check_offsets_values` inside the op.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("offsets", offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [N, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in GPU_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"offsets must be 1-D [B + 1] with at least one element, got shape {tuple(offsets.shape)}")
+    if offsets.dtype not in OFFSET_DTYPES:
+        raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
+    devices = {t.device for t in (q, k, v, offsets)}
+    if len(devices) != 1:
+        raise ValueError(
+            f"q, k, v and offsets must be on one device, got q {q.device}, k {k.device}, v {v.device}, "
+            f"offsets {offsets.device}"
+        )
+    n, hq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {_name(k)} and v {_name(v)}")
+    if k.shape[0] != n:
+        raise ValueError(f"q, k and v must have the same number of tokens N, got q {n} and k/v {k.shape[0]}")
+    if k.shape[2] != d:
+        raise ValueError(f"q, k and v must have the same head_dim, got q {d} and k/v {k.shape[2]}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq == 0 or hq % hkv != 0:
+        raise ValueError(f"q heads must be a positive multiple of k/v heads (GQA), got Hq={hq}, Hkv={hkv}")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM or d % 8 != 0:
+        raise ValueError(f"head_dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+
+
+def check_offsets_values(offsets: torch.Tensor, num_tokens: int) -> None:
+    """Check ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``.
+
+    On the CPU the values are read and a ``ValueError`` names what is wrong. On a GPU reading them would be a host
+    synchronisation, so the check is queued as a device-side assertion instead (it fails the next synchronising call
+    with "device-side assert triggered"); the kernels clamp every block to ``[0, N)`` meanwhile, so even bad offsets
+    never cause an out-of-bounds access.
+    """
+    first, last = offsets[0], offsets[-1]
+    steps_ok = (offsets[1:] >= offsets[:-1]).all()
+    if offsets.device.type == "cpu":
+        if int(first) != 0:
+            raise ValueError(f"offsets[0] must be 0, got {int(first)}")
+        if not bool(steps_ok):
+            raise ValueError("offsets must be non-decreasing (sequence lengths >= 0)")
+        if int(last) != num_tokens:
+            raise ValueError(f"offsets[-1] must equal the number of tokens N={num_tokens}, got {int(last)}")
+        return
+    torch._assert_async(
+        (first == 0) & steps_ok & (last == num_tokens),
+        "blockattn: offsets must start at 0, be non-decreasing and end at N",
+    )

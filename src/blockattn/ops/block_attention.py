@@ -1,0 +1,339 @@
+"""Block-diagonal attention on jagged sequences: Triton kernels, their launchers, and the PyTorch (CPU) path.
+
+Each query block attends to exactly one key/value block, so one program holds a whole ``[BS, BS]`` score tile:
+the softmax is exact in one pass (no online rescaling, no log-sum-exp), and the backward recomputes ``P`` from
+``q`` and ``k`` and forms ``Di = rowsum(P * dP)`` in the tile (no preprocessing kernel, no ``o`` read, no atomics).
+
+Head dims are processed in ``CHUNK``-wide column slices: scores and ``dP`` accumulate over the slices, outputs are
+written slice by slice. For small tiles there is one slice (each tensor is read once); large tiles (``BS * D``
+beyond what registers hold) are split so that no program needs a full ``[BS, 256]`` fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import block_rows, block_table
+
+_LOG2E = 1.4426950408889634
+# Largest [BS, CHUNK] slice a program keeps in registers (64 x 128 = the production tile).
+_MAX_TILE_ELEMENTS = 64 * 128
+
+
+def kernel_config(block_size: int, head_dim: int) -> dict:
+    """Compile-time shape of the kernels for a block size and head dim."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    chunk = min(block_d, max(16, _MAX_TILE_ELEMENTS // block_size))
+    return {
+        "BLOCK_D": block_d,
+        "CHUNK": chunk,
+        "NUM_CHUNKS": triton.cdiv(block_d, chunk),
+        "EVEN_D": block_d == head_dim,
+    }
+
+
+def _num_warps(block_size: int, chunk: int, backward: bool) -> int:
+    tile = block_size * chunk
+    if backward:
+        return 8 if tile >= 64 * 128 or block_size == 128 else 4
+    return 8 if tile > 64 * 128 or block_size == 128 else 4
+
+
+@triton.jit
+def _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr):
+    """First row and length of grid slot ``slot``'s block; length 0 for padding slots.
+
+    Clamped to ``[0, N)`` so that offsets whose values were not checked on the host never cause an out-of-bounds
+    access (see ``layout.check_offsets_values``).
+    """
+    seq = tl.load(block_seq_ptr + slot)
+    seq_c = tl.minimum(seq, num_seqs - 1)
+    seq_start = tl.load(offsets_ptr + seq_c).to(tl.int64)
+    seq_end = tl.load(offsets_ptr + seq_c + 1).to(tl.int64)
+    nblocks = (seq_end - seq_start + BLOCK_SIZE - 1) // BLOCK_SIZE
+    first_slot = tl.load(block_cum_ptr + seq_c).to(tl.int64) - nblocks
+    start = seq_start + (slot - first_slot) * BLOCK_SIZE
+    end = tl.minimum(start + BLOCK_SIZE, seq_end)
+    start = tl.minimum(tl.maximum(start, 0), num_tokens)
+    end = tl.minimum(tl.maximum(end, start), num_tokens)
+    length = tl.where(seq < num_seqs, end - start, 0)
+    return start, length
+
+
+@triton.jit
+def _tile_ptrs(base, rows, col0, stride_n, stride_d, CHUNK: tl.constexpr):
+    cols = col0 + tl.arange(0, CHUNK)
+    return base + rows[:, None] * stride_n + cols[None, :] * stride_d
+
+
+@triton.jit
+def _tile_mask(row_ok, col0, head_dim, CHUNK: tl.constexpr, EVEN_D: tl.constexpr):
+    if EVEN_D:
+        return row_ok[:, None]
+    cols = col0 + tl.arange(0, CHUNK)
+    return row_ok[:, None] & (cols < head_dim)[None, :]
+
+
+@triton.jit
+def _softmax_probs(scores, col_ok, qk_scale_log2):
+    """Exact row softmax of a score tile whose every key lies in the tile (``col_ok`` masks the partial block)."""
+    scores = tl.where(col_ok[None, :], scores * qk_scale_log2, float("-inf"))
+    p = tl.exp2(scores - tl.max(scores, axis=1)[:, None])
+    return p / tl.sum(p, axis=1)[:, None]
+
+
+@triton.jit
+def _block_attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    block_seq_ptr, block_cum_ptr, offsets_ptr,
+    num_seqs, num_tokens, head_dim, qk_scale_log2,
+    stride_qn, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kd,
+    stride_vn, stride_vh, stride_vd,
+    stride_on, stride_oh, stride_od,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Heads vary fastest so that the programs of one block (which share its rows, and k/v under GQA) run together.
+    pid = tl.program_id(0)
+    slot = pid // NUM_Q_HEADS
+    head = pid % NUM_Q_HEADS
+    start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
+    if length <= 0:
+        return
+    offs = tl.arange(0, BLOCK_SIZE)
+    row_ok = offs < length
+    rows = start + offs
+    kv_head = head // GROUP
+    q_base = q_ptr + head * stride_qh
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    o_base = o_ptr + head * stride_oh
+
+    scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+    for c in tl.static_range(NUM_CHUNKS):
+        mask = _tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
+        q = tl.load(_tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
+        k = tl.load(_tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
+    p = _softmax_probs(scores, row_ok, qk_scale_log2).to(q_ptr.dtype.element_ty)
+
+    for c in tl.static_range(NUM_CHUNKS):
+        mask = _tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
+        v = tl.load(_tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
+        o = tl.dot(p, v, input_precision=DOT_PRECISION)
+        tl.store(_tile_ptrs(o_base, rows, c * CHUNK, stride_on, stride_od, CHUNK), o.to(o_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _block_attention_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr,
+    block_seq_ptr, block_cum_ptr, offsets_ptr,
+    num_seqs, num_tokens, head_dim, scale, qk_scale_log2,
+    stride_qn, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kd,
+    stride_vn, stride_vh, stride_vd,
+    stride_don, stride_doh, stride_dod,
+    stride_dqn, stride_dqh, stride_dqd,
+    stride_dkn, stride_dkh, stride_dkd,
+    stride_dvn, stride_dvh, stride_dvd,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # One program per (block, kv head, output column slice). It loops over the GROUP query heads that share the kv
+    # head, so dk/dv accumulate in registers: no atomics, results are bitwise reproducible.
+    pid = tl.program_id(0)
+    out_chunk = pid % NUM_CHUNKS
+    kv_head = (pid // NUM_CHUNKS) % NUM_KV_HEADS
+    slot = pid // (NUM_CHUNKS * NUM_KV_HEADS)
+    start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
+    if length <= 0:
+        return
+    offs = tl.arange(0, BLOCK_SIZE)
+    row_ok = offs < length
+    rows = start + offs
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    col0 = out_chunk * CHUNK
+    out_mask = _tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
+
+    dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        q_base = q_ptr + head * stride_qh
+        do_base = do_ptr + head * stride_doh
+        scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        for c in tl.static_range(NUM_CHUNKS):
+            mask = _tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
+            q = tl.load(_tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
+            k = tl.load(_tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+            v = tl.load(_tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
+            do = tl.load(_tile_ptrs(do_base, rows, c * CHUNK, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), dp, input_precision=DOT_PRECISION)
+        p = _softmax_probs(scores, row_ok, qk_scale_log2)
+        ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
+        p = p.to(q_ptr.dtype.element_ty)
+        ds = ds.to(q_ptr.dtype.element_ty)
+        if NUM_CHUNKS > 1:
+            # This program's output slice was loaded in the loop above but is no longer in scope: reload it (L2 hit).
+            q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=out_mask, other=0.0)
+            k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=out_mask, other=0.0)
+            do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=out_mask, other=0.0)
+        dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
+        tl.store(_tile_ptrs(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, CHUNK),
+                 dq.to(dq_ptr.dtype.element_ty), mask=out_mask)
+        dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
+        dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PRECISION)
+
+    tl.store(_tile_ptrs(dk_ptr + kv_head * stride_dkh, rows, col0, stride_dkn, stride_dkd, CHUNK),
+             (dk * scale).to(dk_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(_tile_ptrs(dv_ptr + kv_head * stride_dvh, rows, col0, stride_dvn, stride_dvd, CHUNK),
+             dv.to(dv_ptr.dtype.element_ty), mask=out_mask)
+
+
+def new_output(like: torch.Tensor) -> torch.Tensor:
+    """Allocation of every kernel output (one place, so tests can poison it)."""
+    return torch.empty_like(like)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs get true fp32 products ("ieee"), not TF32: callers who pass fp32 asked for fp32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _strides(*tensors: torch.Tensor) -> list[int]:
+    return [s for t in tensors for s in t.stride()]
+
+
+def block_attention_fwd_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    block_size: int,
+    scale: float,
+    *,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Launch the forward kernel. Arguments are assumed validated (``layout.validate``); ``num_warps`` overrides
+    the tuned choice (for tuning sweeps)."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    out = new_output(q)
+    block_cum, block_seq = block_table(offsets, n, block_size)
+    if block_seq.numel() == 0:
+        return out
+    cfg = kernel_config(block_size, d)
+    grid = (block_seq.numel() * hq,)
+    _block_attention_fwd_kernel[grid](
+        q, k, v, out, block_seq, block_cum, offsets,
+        offsets.numel() - 1, n, d, scale * _LOG2E,
+        *_strides(q, k, v, out),
+        NUM_Q_HEADS=hq, GROUP=hq // hkv, BLOCK_SIZE=block_size,
+        CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps or _num_warps(block_size, cfg["CHUNK"], backward=False), num_stages=1,
+    )
+    return out
+
+
+def block_attention_bwd_triton(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    block_size: int,
+    scale: float,
+    *,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel; returns ``(dq, dk, dv)`` in the inputs' dtypes."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    dq, dk, dv = new_output(q), new_output(k), new_output(v)
+    block_cum, block_seq = block_table(offsets, n, block_size)
+    if block_seq.numel() == 0:
+        return dq, dk, dv
+    cfg = kernel_config(block_size, d)
+    grid = (block_seq.numel() * hkv * cfg["NUM_CHUNKS"],)
+    _block_attention_bwd_kernel[grid](
+        q, k, v, grad_out, dq, dk, dv, block_seq, block_cum, offsets,
+        offsets.numel() - 1, n, d, scale, scale * _LOG2E,
+        *_strides(q, k, v, grad_out, dq, dk, dv),
+        NUM_KV_HEADS=hkv, GROUP=hq // hkv, BLOCK_SIZE=block_size,
+        CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps or _num_warps(block_size, cfg["CHUNK"], backward=True), num_stages=1,
+    )
+    return dq, dk, dv
+
+
+# --- PyTorch path (CPU tensors): the same semantics on padded blocks, computed in fp32 ------------------------------
+
+
+def _gather_blocks(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[N, H, D]`` -> ``[blocks, H, BS, D]`` in fp32, zeros where ``valid`` is False (they read a zero row N)."""
+    padded = torch.cat([x.float(), x.new_zeros((1, *x.shape[1:]), dtype=torch.float32)])
+    return padded[torch.where(valid, rows, x.shape[0])].transpose(1, 2)
+
+
+def _scatter_blocks(blocks: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_gather_blocks`: padded rows go to a spare row ``N`` that is dropped."""
+    n = like.shape[0]
+    out = like.new_empty((n + 1, *like.shape[1:]), dtype=blocks.dtype)
+    out[torch.where(valid, rows, n).flatten()] = blocks.transpose(1, 2).flatten(0, 1)
+    return out[:n].to(like.dtype)
+
+
+def _probs(qb: torch.Tensor, kb: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    scores = (qb @ kb.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding slots have no valid key at all
+
+
+def block_attention_fwd_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block_size: int, scale: float
+) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    rows, valid = block_rows(offsets, q.shape[0], block_size)
+    qb = _gather_blocks(q, rows, valid)
+    kb, vb = (_gather_blocks(t, rows, valid).repeat_interleave(group, dim=1) for t in (k, v))
+    return _scatter_blocks(_probs(qb, kb, valid, scale) @ vb, rows, valid, q)
+
+
+def block_attention_bwd_torch(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hkv = k.shape[1]
+    group = q.shape[1] // hkv
+    rows, valid = block_rows(offsets, q.shape[0], block_size)
+    qb, dob = _gather_blocks(q, rows, valid), _gather_blocks(grad_out, rows, valid)
+    kb, vb = (_gather_blocks(t, rows, valid).repeat_interleave(group, dim=1) for t in (k, v))
+    p = _probs(qb, kb, valid, scale)
+    dp = dob @ vb.transpose(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    dqb = (ds @ kb) * scale
+    dkb = (ds.transpose(-1, -2) @ qb) * scale
+    dvb = p.transpose(-1, -2) @ dob
+
+    def per_kv_head(blocks: torch.Tensor) -> torch.Tensor:
+        return blocks.unflatten(1, (hkv, group)).sum(2)
+
+    return (
+        _scatter_blocks(dqb, rows, valid, q),
+        _scatter_blocks(per_kv_head(dkb), rows, valid, k),
+        _scatter_blocks(per_kv_head(dvb), rows, valid, v),
+    )

@@ -1,0 +1,164 @@
+"""GPU-only behaviour of the block attention kernels (skipped without a CUDA GPU)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import (
+    assert_within_2x_pytorch,
+    make_offsets,
+    max_err,
+    odd_lengths,
+    random_inputs,
+    reference_grads,
+    requires_gpu,
+    snr_db,
+)
+
+import blockattn
+
+pytestmark = [requires_gpu, pytest.mark.gpu]
+
+
+def public_op(q, k, v, do, offsets, block_size):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = blockattn.block_attention(*leaves, offsets, block_size=block_size)
+    out.backward(do)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def random_lengths(num_seqs, max_len, block_size):
+    lengths = torch.randint(0, max_len, (num_seqs,)).tolist()
+    return lengths + odd_lengths(block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 128, 256])
+def test_accuracy_contract(dtype, block_size, head_dim, poisoned_outputs):
+    """SPEC §5: 2x PyTorch's error in the same precision; bf16 SNR > 40 dB forward, > 45 dB gradients."""
+    q, k, v, do, offsets = random_inputs(random_lengths(6, 300, block_size), 4, 2, head_dim, dtype, "cuda")
+    results = public_op(q, k, v, do, offsets, block_size)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size)
+    exact = reference_grads(q, k, v, do, offsets, block_size)
+    for name, got, ref, floor in zip(("out", "dq", "dk", "dv"), results, exact, (40, 45, 45, 45)):
+        assert snr_db(got, ref) > floor, f"{name}: SNR {snr_db(got, ref):.1f} dB"
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (6, 2), (3, 3)])
+def test_gqa_mqa(heads):
+    q, k, v, do, offsets = random_inputs(random_lengths(5, 200, 64), *heads, 64, torch.bfloat16, "cuda")
+    assert_within_2x_pytorch(public_op(q, k, v, do, offsets, 64), q, k, v, do, offsets, 64)
+
+
+def test_float32_is_true_fp32():
+    q, k, v, do, offsets = random_inputs(random_lengths(4, 200, 64), 2, 2, 64, torch.float32, "cuda")
+    for got, ref in zip(public_op(q, k, v, do, offsets, 64), reference_grads(q, k, v, do, offsets, 64)):
+        assert max_err(got, ref) < 1e-5
+
+
+def test_backward_is_bitwise_deterministic():
+    q, k, v, do, offsets = random_inputs(random_lengths(64, 500, 64), 8, 2, 128, torch.bfloat16, "cuda")
+    first = public_op(q, k, v, do, offsets, 64)
+    for _ in range(3):
+        for a, b in zip(first, public_op(q, k, v, do, offsets, 64)):
+            assert torch.equal(a, b)
+
+
+def test_cuda_graph_replay_with_new_offsets():
+    """Capture once; replay after changing the offsets' values (same B and N): the result follows the new values."""
+    n, num_seqs = 1000, 7
+    q, k, v, do, offsets = random_inputs([n // num_seqs] * (num_seqs - 1) + [n - (num_seqs - 1) * (n // num_seqs)],
+                                         4, 4, 64, torch.bfloat16, "cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    static_offsets = offsets.clone()
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = blockattn.block_attention(*leaves, static_offsets, block_size=64)
+        out.backward(do)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for lengths in ([0, 1, 63, 64, 65, 300, n - 493], [n, 0, 0, 0, 0, 0, 0]):
+        static_offsets.copy_(make_offsets(lengths, "cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        exact = reference_grads(q, k, v, do, static_offsets, 64)
+        for got, ref in zip([static_out, *(t.grad for t in leaves)], exact):
+            assert snr_db(got, ref) > 40
+
+
+def test_compile_fullgraph_no_graph_break():
+    q, k, v, do, offsets = random_inputs(random_lengths(8, 300, 64), 4, 2, 64, torch.bfloat16, "cuda")
+
+    def layer(q, k, v, offsets):
+        return blockattn.block_attention(torch.nn.functional.silu(q), k, v, offsets) * 2
+
+    explanation = torch._dynamo.explain(layer)(q, k, v, offsets)
+    assert explanation.graph_break_count == 0
+    compiled = torch.compile(layer, fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = compiled(*leaves, offsets)
+    out.backward(do)
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = layer(*eager, offsets)
+    ref.backward(do)
+    for a, b in zip([out, *(t.grad for t in leaves)], [ref, *(t.grad for t in eager)]):
+        assert torch.equal(a, b)
+
+
+def test_nested_on_gpu():
+    lengths = [70, 0, 129]
+    q, k, v, do, offsets = random_inputs(lengths, 2, 2, 64, torch.bfloat16, "cuda", torch.int64)
+    nested = [torch.nested.nested_tensor_from_jagged(t, offsets) for t in (q, k, v)]
+    out = blockattn.block_attention(*nested)
+    assert out.is_nested
+    assert snr_db(out.values(), reference_grads(q, k, v, do, offsets, 64)[0]) > 40
+
+
+def test_more_than_2_pow_31_elements():
+    """N * H * D > 2^31: row offsets must be computed in int64. Checks the blocks at the far end."""
+    hq, d = 8, 128
+    n = 2**31 // (hq * d) + 1000
+    lengths = [n - 200, 77, 123]
+    q = torch.randn(n, hq, d, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(n, 1, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    do = torch.randn_like(q)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = blockattn.block_attention(*leaves, make_offsets(lengths, "cuda"))
+    out.backward(do)
+    # From a block boundary of the long sequence on, the tail is a problem of its own.
+    tail = ((n - 200) // 64 - 1) * 64
+    assert tail * hq * d > 2**31
+    tail_offsets = make_offsets([n - 200 - tail, 77, 123], "cuda")
+    exact = reference_grads(q[tail:], k[tail:], v[tail:], do[tail:], tail_offsets, 64)
+    for got, ref in zip([out, q.grad, k.grad, v.grad], exact):
+        assert snr_db(got[tail:], ref) > 40
+
+
+def test_bad_offsets_trip_device_assert():
+    """Offsets on the GPU are checked without a host sync: a bad value fails the next synchronising call."""
+    script = textwrap.dedent(
+        """
+        import torch, blockattn
+        q = torch.randn(10, 2, 64, device="cuda", dtype=torch.bfloat16)
+        offsets = torch.tensor([0, 7, 3, 10], device="cuda", dtype=torch.int32)
+        out = blockattn.block_attention(q, q, q, offsets)
+        torch.cuda.synchronize()
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "device-side assert" in result.stderr or "offsets must start at 0" in result.stderr
