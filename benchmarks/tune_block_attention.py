@@ -33,12 +33,13 @@ def main():
         print(f"{name}: N={n} floor fwd {floors['fwd']:.3f} ms, bwd {floors['bwd']:.3f} ms; "
               f"block table {table_ms * 1e3:.1f} us")
         for warps in (2, 4, 8):
-            ms = time_ms(lambda: impl.block_attention_fwd_triton(case.q, case.k, case.v, case.offsets, bs, scale,
-                                                                 num_warps=warps), args.rep_ms)
+            ms = time_ms(lambda: impl.block_attention_fwd_triton(case.q, case.k, case.v, case.offsets, *case.table,
+                                                                 bs, scale, num_warps=warps), args.rep_ms)
             print(f"  fwd num_warps={warps}: {ms:.3f} ms = {ms / floors['fwd']:.3f} x floor")
         for warps in (4, 8):
-            ms = time_ms(lambda: impl.block_attention_bwd_triton(case.do, case.q, case.k, case.v, case.offsets, bs,
-                                                                 scale, num_warps=warps), args.rep_ms)
+            ms = time_ms(lambda: impl.block_attention_bwd_triton(case.do, case.q, case.k, case.v, case.offsets,
+                                                                 *case.table, bs, scale, num_warps=warps),
+                         args.rep_ms)
             print(f"  bwd num_warps={warps}: {ms:.3f} ms = {ms / floors['bwd']:.3f} x floor")
         del case
         torch.cuda.empty_cache()

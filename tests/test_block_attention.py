@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockattn
+from blockattn.layout import _block_scan_kernel, block_table
 from blockattn.ops import block_attention as impl
 
 BLOCK_SIZES = [16, 32, 64, 128]
@@ -27,14 +28,39 @@ KERNEL_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_GPU el
 
 def run_kernels(q, k, v, do, offsets, block_size):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out = impl.block_attention_fwd_triton(q, k, v, offsets, block_size, scale)
-    return (out, *impl.block_attention_bwd_triton(do, q, k, v, offsets, block_size, scale))
+    table = block_table(offsets, q.shape[0], block_size)
+    out = impl.block_attention_fwd_triton(q, k, v, offsets, *table, block_size, scale)
+    return (out, *impl.block_attention_bwd_triton(do, q, k, v, offsets, *table, block_size, scale))
 
 
 def run_torch_path(q, k, v, do, offsets, block_size):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out = impl.block_attention_fwd_torch(q, k, v, offsets, block_size, scale)
-    return (out, *impl.block_attention_bwd_torch(do, q, k, v, offsets, block_size, scale))
+    table = block_table(offsets, q.shape[0], block_size)
+    out = impl.block_attention_fwd_torch(q, k, v, offsets, *table, block_size, scale)
+    return (out, *impl.block_attention_bwd_torch(do, q, k, v, offsets, *table, block_size, scale))
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize(
+    "lengths,valid",
+    [([0, 1, 15, 16, 17, 100, 0], True), ([], True), ([0] * 3000, True), ([5, -2, 9], False), ([7] * 2500, True)],
+    ids=["odd", "none", "many-empty", "negative", "many"],
+)
+def test_block_scan_kernel(lengths, valid, block_size):
+    """The GPU's one-launch scan (here through the interpreter) agrees with the PyTorch block table."""
+    offsets = make_offsets(lengths, KERNEL_DEVICE)
+    n = int(offsets[-1])
+    block_cum = torch.empty(len(lengths), dtype=torch.int32, device=KERNEL_DEVICE)
+    ok = torch.empty((), dtype=torch.int8, device=KERNEL_DEVICE)
+    _block_scan_kernel[(1,)](offsets, block_cum, ok, len(lengths), n, BLOCK_SIZE=block_size, CHUNK=1024)
+    assert bool(ok) == valid
+    if valid:
+        expected = torch.tensor([-(-n // block_size) for n in lengths], dtype=torch.int32).cumsum(0)
+        assert torch.equal(block_cum.cpu(), expected.int())
+    bad_end = offsets.clone()
+    bad_end[-1] += 1
+    _block_scan_kernel[(1,)](bad_end, block_cum, ok, len(lengths), n, BLOCK_SIZE=block_size, CHUNK=1024)
+    assert not bool(ok)
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -141,7 +167,9 @@ def test_fake_tensor_propagation():
         k = torch.empty(100, 2, 64, dtype=torch.bfloat16)
         offsets = torch.zeros(3, dtype=torch.int32)
         out = blockattn.block_attention(q, k, k, offsets)
-        dq, dk, dv = torch.ops.blockattn.block_attention_bwd(out, q, k, k, offsets, 64, 0.125)
+        _, block_cum, block_seq = torch.ops.blockattn.block_attention_fwd(q, k, k, offsets, 64, 0.125)
+        assert block_cum.shape == (2,) and block_seq.shape == ((100 + 2 * 63) // 64,)
+        dq, dk, dv = torch.ops.blockattn.block_attention_bwd(out, q, k, k, offsets, block_cum, block_seq, 64, 0.125)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
@@ -149,7 +177,8 @@ def test_fake_tensor_propagation():
 def test_opcheck_custom_ops():
     """torch.library.opcheck: fake vs real metadata, autograd registration, schema."""
     q, k, v, do, offsets = random_inputs([30, 3], 4, 2, 16, torch.float32, "cpu")
-    torch.library.opcheck(torch.ops.blockattn.block_attention_bwd.default, (do, q, k, v, offsets, 16, 0.25))
+    table = block_table(offsets, q.shape[0], 16)
+    torch.library.opcheck(torch.ops.blockattn.block_attention_bwd.default, (do, q, k, v, offsets, *table, 16, 0.25))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.blockattn.block_attention_fwd.default, (q, k, v, offsets, 16, 0.25))
 

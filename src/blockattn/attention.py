@@ -72,7 +72,7 @@ def block_attention(
         raise TypeError("offsets is required when q, k, v are [N, H, D] tensors")
     validate(q, k, v, offsets, block_size, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out = custom_ops.block_attention_fwd(q, k, v, offsets, block_size, scale)
+    out = custom_ops.block_attention_fwd(q, k, v, offsets, block_size, scale)[0]
     if nested:
         return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)

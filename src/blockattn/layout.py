@@ -8,6 +8,8 @@ its first token. The number of blocks is data-dependent, so the kernels are laun
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 BLOCK_SIZES = (16, 32, 64, 128)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -20,28 +22,69 @@ def max_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
     return (num_tokens + num_seqs * (block_size - 1)) // block_size
 
 
-def block_table(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device-side block table, built without a host synchronisation.
+@triton.jit
+def _block_scan_kernel(offsets_ptr, block_cum_ptr, ok_ptr, num_seqs, num_tokens,
+                       BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: ``block_cum`` = inclusive prefix sum of ``ceil(len_b / BS)``, and whether the offsets are valid
+    (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``): one launch instead of a dozen small ones."""
+    ok = (tl.load(offsets_ptr) == 0) & (tl.load(offsets_ptr + num_seqs) == num_tokens)
+    carry = tl.zeros((), dtype=tl.int32)
+    for first in range(0, num_seqs, CHUNK):
+        idx = first + tl.arange(0, CHUNK)
+        in_range = idx < num_seqs
+        length = (tl.load(offsets_ptr + idx + 1, mask=in_range, other=0)
+                  - tl.load(offsets_ptr + idx, mask=in_range, other=0)).to(tl.int32)
+        ok = ok & (tl.min(length, axis=0) >= 0)
+        nblocks = tl.where(in_range, (length + BLOCK_SIZE - 1) // BLOCK_SIZE, 0)
+        tl.store(block_cum_ptr + idx, tl.cumsum(nblocks, axis=0) + carry, mask=in_range)
+        carry += tl.sum(nblocks, axis=0)
+    tl.store(ok_ptr, ok.to(tl.int8))
 
-    Returns ``(block_cum, block_seq)``: ``block_cum[b]`` is the number of blocks in sequences ``0..b`` (inclusive
-    prefix sum) and ``block_seq[s]`` the sequence that grid slot ``s`` belongs to (``B`` for the padding slots past
-    the last block). Slot ``s`` of sequence ``b`` is its block number ``s - (block_cum[b] - nblocks[b])``.
+
+def _check_offsets_on_host(offsets: torch.Tensor, num_tokens: int) -> None:
+    if int(offsets[0]) != 0:
+        raise ValueError(f"offsets[0] must be 0, got {int(offsets[0])}")
+    if not bool((offsets[1:] >= offsets[:-1]).all()):
+        raise ValueError("offsets must be non-decreasing (sequence lengths >= 0)")
+    if int(offsets[-1]) != num_tokens:
+        raise ValueError(f"offsets[-1] must equal the number of tokens N={num_tokens}, got {int(offsets[-1])}")
+
+
+def block_table(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the values of ``offsets`` and build the block table, without a host synchronisation on the GPU.
+
+    Returns ``(block_cum, block_seq)``, int32: ``block_cum[b]`` is the number of blocks in sequences ``0..b``
+    (inclusive prefix sum) and ``block_seq[s]`` the sequence that grid slot ``s`` belongs to (``B`` for the padding
+    slots past the last block). Slot ``s`` of sequence ``b`` is its block number ``s - (block_cum[b] - nblocks[b])``.
+
+    Checks: ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``. On the CPU a ``ValueError`` says what is
+    wrong. On a GPU reading the values would stall the host, so the check is a device-side assertion instead: it
+    fails the next synchronising call with "device-side assert triggered". The kernels clamp every block to
+    ``[0, N)`` meanwhile, so bad offsets never cause an out-of-bounds access.
     """
     num_seqs = offsets.numel() - 1
-    lengths = offsets[1:] - offsets[:-1]
-    nblocks = torch.div(lengths + (block_size - 1), block_size, rounding_mode="floor")
-    block_cum = torch.cumsum(nblocks, 0)
-    slots = torch.arange(max_blocks(num_tokens, num_seqs, block_size), device=offsets.device, dtype=block_cum.dtype)
+    if offsets.device.type == "cpu":
+        _check_offsets_on_host(offsets, num_tokens)
+        lengths = offsets[1:] - offsets[:-1]
+        nblocks = torch.div(lengths + (block_size - 1), block_size, rounding_mode="floor")
+        block_cum = torch.cumsum(nblocks, 0, dtype=torch.int32)
+    else:
+        block_cum = torch.empty(num_seqs, dtype=torch.int32, device=offsets.device)
+        ok = torch.empty((), dtype=torch.int8, device=offsets.device)
+        _block_scan_kernel[(1,)](offsets, block_cum, ok, num_seqs, num_tokens, BLOCK_SIZE=block_size, CHUNK=1024)
+        torch._assert_async(ok.bool(), "blockattn: offsets must start at 0, be non-decreasing and end at N")
+    slots = torch.arange(max_blocks(num_tokens, num_seqs, block_size), device=offsets.device, dtype=torch.int32)
     block_seq = torch.searchsorted(block_cum, slots, right=True, out_int32=True)
     return block_cum, block_seq
 
 
-def block_rows(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_rows(
+    offsets: torch.Tensor, block_cum: torch.Tensor, block_seq: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows of every block slot, ``[max_blocks, block_size]``, and which of them are real.
 
     The PyTorch (CPU) path gathers blocks with these; the Triton kernels compute the same thing per program.
     """
-    block_cum, block_seq = block_table(offsets, num_tokens, block_size)
     num_seqs = offsets.numel() - 1
     seq = block_seq.long().clamp(max=max(num_seqs - 1, 0))
     seq_start, seq_end = offsets[:-1].long()[seq], offsets[1:].long()[seq]
@@ -70,7 +113,7 @@ def validate(
     """Check shapes, dtypes, devices and options; raise ``TypeError``/``ValueError`` naming the argument.
 
     Only metadata is read here, so this is free and safe under ``torch.compile``. The *values* of ``offsets`` are
-    checked by :func:`check_offsets_values` inside the op.
+    checked by :func:`block_table` inside the op.
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):
@@ -108,27 +151,3 @@ def validate(
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")
-
-
-def check_offsets_values(offsets: torch.Tensor, num_tokens: int) -> None:
-    """Check ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``.
-
-    On the CPU the values are read and a ``ValueError`` names what is wrong. On a GPU reading them would be a host
-    synchronisation, so the check is queued as a device-side assertion instead (it fails the next synchronising call
-    with "device-side assert triggered"); the kernels clamp every block to ``[0, N)`` meanwhile, so even bad offsets
-    never cause an out-of-bounds access.
-    """
-    first, last = offsets[0], offsets[-1]
-    steps_ok = (offsets[1:] >= offsets[:-1]).all()
-    if offsets.device.type == "cpu":
-        if int(first) != 0:
-            raise ValueError(f"offsets[0] must be 0, got {int(first)}")
-        if not bool(steps_ok):
-            raise ValueError("offsets must be non-decreasing (sequence lengths >= 0)")
-        if int(last) != num_tokens:
-            raise ValueError(f"offsets[-1] must equal the number of tokens N={num_tokens}, got {int(last)}")
-        return
-    torch._assert_async(
-        (first == 0) & steps_ok & (last == num_tokens),
-        "blockattn: offsets must start at 0, be non-decreasing and end at N",
-    )

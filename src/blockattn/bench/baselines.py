@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 import blockattn
-from blockattn.layout import block_rows
+from blockattn.layout import block_rows, block_table
 
 
 class Unavailable(Exception):
@@ -35,9 +35,11 @@ class Case:
     rows: torch.Tensor = field(init=False)  # [num_blocks, BS] token rows of each real block
     valid: torch.Tensor = field(init=False)  # [num_blocks, BS] which of them exist
     cu_blocks: torch.Tensor = field(init=False)  # int32 [num_blocks + 1]: one boundary per block
+    table: tuple[torch.Tensor, torch.Tensor] = field(init=False)  # layout.block_table
 
     def __post_init__(self):
-        rows, valid = block_rows(self.offsets, self.q.shape[0], self.block_size)
+        self.table = block_table(self.offsets, self.q.shape[0], self.block_size)
+        rows, valid = block_rows(self.offsets, *self.table, self.block_size)
         real = valid[:, 0]
         self.rows, self.valid = rows[real], valid[real]
         lengths = self.valid.sum(1, dtype=torch.int32)
@@ -91,9 +93,9 @@ def blockattn_runner(case: Case) -> Runner:
         return blockattn.block_attention(q, k, v, case.offsets, block_size=case.block_size, scale=case.scale)
 
     runner = autograd_runner(forward, case.inputs, case.do)
-    # The backward op alone, as autograd calls it: no graph bookkeeping in the figure.
+    # The backward op alone, as autograd calls it (with the forward's block table): no graph bookkeeping.
     runner.bwd = lambda: torch.ops.blockattn.block_attention_bwd(
-        case.do, case.q, case.k, case.v, case.offsets, case.block_size, case.scale
+        case.do, case.q, case.k, case.v, case.offsets, *case.table, case.block_size, case.scale
     )
     return runner
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import block_rows, block_table
+from ..layout import block_rows
 
 _LOG2E = 1.4426950408889634
 # Largest [BS, CHUNK] slice a program keeps in registers (64 x 128 = the production tile).
@@ -46,7 +46,7 @@ def _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num
     """First row and length of grid slot ``slot``'s block; length 0 for padding slots.
 
     Clamped to ``[0, N)`` so that offsets whose values were not checked on the host never cause an out-of-bounds
-    access (see ``layout.check_offsets_values``).
+    access (see ``layout.block_table``).
     """
     seq = tl.load(block_seq_ptr + slot)
     seq_c = tl.minimum(seq, num_seqs - 1)
@@ -71,9 +71,12 @@ def _tile_ptrs(base, rows, col0, stride_n, stride_d, CHUNK: tl.constexpr):
 @triton.jit
 def _tile_mask(row_ok, col0, head_dim, CHUNK: tl.constexpr, EVEN_D: tl.constexpr):
     if EVEN_D:
-        return row_ok[:, None]
-    cols = col0 + tl.arange(0, CHUNK)
-    return row_ok[:, None] & (cols < head_dim)[None, :]
+        # Constant along the row, so loads under this mask stay 16-byte vectorised.
+        mask = tl.broadcast_to(row_ok[:, None], (row_ok.shape[0], CHUNK))
+    else:
+        cols = col0 + tl.arange(0, CHUNK)
+        mask = row_ok[:, None] & (cols < head_dim)[None, :]
+    return mask
 
 
 @triton.jit
@@ -216,17 +219,18 @@ def block_attention_fwd_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     offsets: torch.Tensor,
+    block_cum: torch.Tensor,
+    block_seq: torch.Tensor,
     block_size: int,
     scale: float,
     *,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Launch the forward kernel. Arguments are assumed validated (``layout.validate``); ``num_warps`` overrides
-    the tuned choice (for tuning sweeps)."""
+    """Launch the forward kernel over the block table of ``layout.block_table``. Arguments are assumed validated
+    (``layout.validate``); ``num_warps`` overrides the tuned choice (for tuning sweeps)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     out = new_output(q)
-    block_cum, block_seq = block_table(offsets, n, block_size)
     if block_seq.numel() == 0:
         return out
     cfg = kernel_config(block_size, d)
@@ -249,6 +253,8 @@ def block_attention_bwd_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     offsets: torch.Tensor,
+    block_cum: torch.Tensor,
+    block_seq: torch.Tensor,
     block_size: int,
     scale: float,
     *,
@@ -258,7 +264,6 @@ def block_attention_bwd_triton(
     n, hq, d = q.shape
     hkv = k.shape[1]
     dq, dk, dv = new_output(q), new_output(k), new_output(v)
-    block_cum, block_seq = block_table(offsets, n, block_size)
     if block_seq.numel() == 0:
         return dq, dk, dv
     cfg = kernel_config(block_size, d)
@@ -299,10 +304,17 @@ def _probs(qb: torch.Tensor, kb: torch.Tensor, valid: torch.Tensor, scale: float
 
 
 def block_attention_fwd_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block_size: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    block_cum: torch.Tensor,
+    block_seq: torch.Tensor,
+    block_size: int,
+    scale: float,
 ) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
-    rows, valid = block_rows(offsets, q.shape[0], block_size)
+    rows, valid = block_rows(offsets, block_cum, block_seq, block_size)
     qb = _gather_blocks(q, rows, valid)
     kb, vb = (_gather_blocks(t, rows, valid).repeat_interleave(group, dim=1) for t in (k, v))
     return _scatter_blocks(_probs(qb, kb, valid, scale) @ vb, rows, valid, q)
@@ -314,12 +326,14 @@ def block_attention_bwd_torch(
     k: torch.Tensor,
     v: torch.Tensor,
     offsets: torch.Tensor,
+    block_cum: torch.Tensor,
+    block_seq: torch.Tensor,
     block_size: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hkv = k.shape[1]
     group = q.shape[1] // hkv
-    rows, valid = block_rows(offsets, q.shape[0], block_size)
+    rows, valid = block_rows(offsets, block_cum, block_seq, block_size)
     qb, dob = _gather_blocks(q, rows, valid), _gather_blocks(grad_out, rows, valid)
     kb, vb = (_gather_blocks(t, rows, valid).repeat_interleave(group, dim=1) for t in (k, v))
     p = _probs(qb, kb, valid, scale)
