@@ -211,12 +211,12 @@ def flex_runner(case: Case) -> Runner:
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def attention(q, k, v):
-        return compiled(heads_first(q), heads_first(k), heads_first(v), block_mask=block_mask, scale=case.scale,
-                        enable_gqa=case.gqa)
+        out = compiled(heads_first(q), heads_first(k), heads_first(v), block_mask=block_mask, scale=case.scale,
+                       enable_gqa=case.gqa)
+        return out.squeeze(0).transpose(0, 1)  # back to [N, H, D], a view
 
     try:
-        runner = autograd_runner(attention, case.inputs, heads_first(case.do),
-                                 to_tokens=lambda x: x.squeeze(0).transpose(0, 1))
+        runner = autograd_runner(attention, case.inputs, case.do)
     except Exception as error:  # compile errors come in many types
         raise Unavailable(f"FlexAttention failed: {str(error).splitlines()[0]}") from None
     runner.extra = {"build block mask": lambda: flex_block_mask(case)}

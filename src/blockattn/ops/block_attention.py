@@ -34,11 +34,10 @@ def kernel_config(block_size: int, head_dim: int) -> dict:
     }
 
 
-def _num_warps(block_size: int, chunk: int, backward: bool) -> int:
-    tile = block_size * chunk
-    if backward:
-        return 8 if tile >= 64 * 128 or block_size == 128 else 4
-    return 8 if tile > 64 * 128 or block_size == 128 else 4
+def _num_warps(block_size: int) -> int:
+    # Measured on an H200 (docs/benchmarks.md): 4 warps beat 2 and 8 for 64-token blocks at D = 64 and 128, in
+    # both passes; 128-token blocks hold a 128 x 128 score tile and need the registers of 8.
+    return 8 if block_size == 128 else 4
 
 
 @triton.jit
@@ -66,6 +65,11 @@ def _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num
 def _tile_ptrs(base, rows, col0, stride_n, stride_d, CHUNK: tl.constexpr):
     cols = col0 + tl.arange(0, CHUNK)
     return base + rows[:, None] * stride_n + cols[None, :] * stride_d
+
+
+@triton.jit
+def _store_tile(base, rows, col0, stride_n, stride_d, value, mask, CHUNK: tl.constexpr):
+    tl.store(_tile_ptrs(base, rows, col0, stride_n, stride_d, CHUNK), value.to(base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -127,8 +131,7 @@ def _block_attention_fwd_kernel(
         mask = _tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
         v = tl.load(_tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
         o = tl.dot(p, v, input_precision=DOT_PRECISION)
-        tl.store(_tile_ptrs(o_base, rows, c * CHUNK, stride_on, stride_od, CHUNK), o.to(o_ptr.dtype.element_ty),
-                 mask=mask)
+        _store_tile(o_base, rows, c * CHUNK, stride_on, stride_od, o, mask, CHUNK)
 
 
 @triton.jit
@@ -148,6 +151,8 @@ def _block_attention_bwd_kernel(
 ):
     # One program per (block, kv head, output column slice). It loops over the GROUP query heads that share the kv
     # head, so dk/dv accumulate in registers: no atomics, results are bitwise reproducible.
+    # Tiles are kept transposed (keys x queries): P^T and dS^T are then the natural left operands of dV = P^T dO and
+    # dK = dS^T Q, and only dQ = dS K needs a transpose.
     pid = tl.program_id(0)
     out_chunk = pid % NUM_CHUNKS
     kv_head = (pid // NUM_CHUNKS) % NUM_KV_HEADS
@@ -169,35 +174,40 @@ def _block_attention_bwd_kernel(
         head = kv_head * GROUP + g
         q_base = q_ptr + head * stride_qh
         do_base = do_ptr + head * stride_doh
-        scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
-        dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        scores_t = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        dp_t = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
         for c in tl.static_range(NUM_CHUNKS):
             mask = _tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
             q = tl.load(_tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
             k = tl.load(_tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
             v = tl.load(_tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
             do = tl.load(_tile_ptrs(do_base, rows, c * CHUNK, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), dp, input_precision=DOT_PRECISION)
-        p = _softmax_probs(scores, row_ok, qk_scale_log2)
-        ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
-        p = p.to(q_ptr.dtype.element_ty)
-        ds = ds.to(q_ptr.dtype.element_ty)
+            scores_t = tl.dot(k, tl.trans(q), scores_t, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), dp_t, input_precision=DOT_PRECISION)
+        # Column softmax of S^T (each column is one query row over the keys of the block).
+        scores_t = tl.where(row_ok[:, None], scores_t * qk_scale_log2, float("-inf"))
+        p_t = tl.exp2(scores_t - tl.max(scores_t, axis=0)[None, :])
+        p_t = p_t / tl.sum(p_t, axis=0)[None, :]
+        ds_t = (p_t * (dp_t - tl.sum(p_t * dp_t, axis=0)[None, :])).to(q_ptr.dtype.element_ty)
+        p_t = p_t.to(q_ptr.dtype.element_ty)
         if NUM_CHUNKS > 1:
             # This program's output slice was loaded in the loop above but is no longer in scope: reload it (L2 hit).
             q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=out_mask, other=0.0)
             k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=out_mask, other=0.0)
             do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=out_mask, other=0.0)
-        dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
-        tl.store(_tile_ptrs(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, CHUNK),
-                 dq.to(dq_ptr.dtype.element_ty), mask=out_mask)
-        dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
-        dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PRECISION)
+        # Without a group to accumulate over, each result is stored as soon as it exists (shorter register lives).
+        dv = tl.dot(p_t, do, dv, input_precision=DOT_PRECISION)
+        if GROUP == 1:
+            _store_tile(dv_ptr + kv_head * stride_dvh, rows, col0, stride_dvn, stride_dvd, dv, out_mask, CHUNK)
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
+        _store_tile(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, dq, out_mask, CHUNK)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+        if GROUP == 1:
+            _store_tile(dk_ptr + kv_head * stride_dkh, rows, col0, stride_dkn, stride_dkd, dk * scale, out_mask, CHUNK)
 
-    tl.store(_tile_ptrs(dk_ptr + kv_head * stride_dkh, rows, col0, stride_dkn, stride_dkd, CHUNK),
-             (dk * scale).to(dk_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(_tile_ptrs(dv_ptr + kv_head * stride_dvh, rows, col0, stride_dvn, stride_dvd, CHUNK),
-             dv.to(dv_ptr.dtype.element_ty), mask=out_mask)
+    if GROUP > 1:
+        _store_tile(dv_ptr + kv_head * stride_dvh, rows, col0, stride_dvn, stride_dvd, dv, out_mask, CHUNK)
+        _store_tile(dk_ptr + kv_head * stride_dkh, rows, col0, stride_dkn, stride_dkd, dk * scale, out_mask, CHUNK)
 
 
 def new_output(like: torch.Tensor) -> torch.Tensor:
@@ -242,7 +252,7 @@ def block_attention_fwd_triton(
         NUM_Q_HEADS=hq, GROUP=hq // hkv, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or _num_warps(block_size, cfg["CHUNK"], backward=False), num_stages=1,
+        num_warps=num_warps or _num_warps(block_size), num_stages=1,
     )
     return out
 
@@ -275,7 +285,7 @@ def block_attention_bwd_triton(
         NUM_KV_HEADS=hkv, GROUP=hq // hkv, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or _num_warps(block_size, cfg["CHUNK"], backward=True), num_stages=1,
+        num_warps=num_warps or _num_warps(block_size), num_stages=1,
     )
     return dq, dk, dv
 
