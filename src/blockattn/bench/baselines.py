@@ -208,6 +208,8 @@ def flex_runner(case: Case) -> Runner:
     from torch.nn.attention.flex_attention import flex_attention
 
     block_mask = flex_block_mask(case)
+    # The harness replays one backward many times (retain_graph), which donated buffers forbid.
+    torch._functorch.config.donated_buffer = False
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def attention(q, k, v):

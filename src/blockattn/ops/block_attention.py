@@ -18,14 +18,17 @@ import triton.language as tl
 from ..layout import block_rows
 
 _LOG2E = 1.4426950408889634
-# Largest [BS, CHUNK] slice a program keeps in registers (64 x 128 = the production tile).
-_MAX_TILE_ELEMENTS = 64 * 128
 
 
-def kernel_config(block_size: int, head_dim: int) -> dict:
-    """Compile-time shape of the kernels for a block size and head dim."""
+def kernel_config(block_size: int, head_dim: int, backward: bool) -> dict:
+    """Compile-time shape of a kernel for a block size and head dim.
+
+    Head-dim slices are at most 64 x 128 elements in the forward and 64 x 64 in the backward, which holds more
+    tiles at once: larger slices spill registers on an H100/H200 (seen in the compiled kernels' resource usage).
+    """
     block_d = max(16, triton.next_power_of_2(head_dim))
-    chunk = min(block_d, max(16, _MAX_TILE_ELEMENTS // block_size))
+    max_slice = 64 * 64 if backward else 64 * 128
+    chunk = min(block_d, max(16, max_slice // block_size))
     return {
         "BLOCK_D": block_d,
         "CHUNK": chunk,
@@ -34,10 +37,11 @@ def kernel_config(block_size: int, head_dim: int) -> dict:
     }
 
 
-def _num_warps(block_size: int) -> int:
-    # Measured on an H200 (docs/benchmarks.md): 4 warps beat 2 and 8 for 64-token blocks at D = 64 and 128, in
-    # both passes; 128-token blocks hold a 128 x 128 score tile and need the registers of 8.
-    return 8 if block_size == 128 else 4
+def _num_warps(block_size: int, num_chunks: int, backward: bool) -> int:
+    # 4 warps beat 2 and 8 on an H200 for single-slice 64-token blocks (docs/benchmarks.md). 128-token blocks hold
+    # a 128 x 128 score tile, and a sliced backward holds scores, dP and a slice's tiles at once: both need the
+    # registers of 8 warps to avoid spilling.
+    return 8 if block_size == 128 or (backward and num_chunks > 1) else 4
 
 
 @triton.jit
@@ -149,14 +153,15 @@ def _block_attention_bwd_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # One program per (block, kv head, output column slice). It loops over the GROUP query heads that share the kv
-    # head, so dk/dv accumulate in registers: no atomics, results are bitwise reproducible.
-    # Tiles are kept transposed (keys x queries): P^T and dS^T are then the natural left operands of dV = P^T dO and
-    # dK = dS^T Q, and only dQ = dS K needs a transpose.
+    # Without GQA (GROUP == 1) one program per (block, head) writes every output slice, each as soon as it is
+    # computed. With GQA one program per (block, kv head, output slice) loops over the GROUP query heads that share
+    # the kv head and accumulates that slice of dk/dv in registers. No atomics: bitwise reproducible.
+    SLICES_PER_PROGRAM: tl.constexpr = NUM_CHUNKS if GROUP == 1 else 1
+    PROGRAMS_PER_HEAD: tl.constexpr = NUM_CHUNKS // SLICES_PER_PROGRAM
     pid = tl.program_id(0)
-    out_chunk = pid % NUM_CHUNKS
-    kv_head = (pid // NUM_CHUNKS) % NUM_KV_HEADS
-    slot = pid // (NUM_CHUNKS * NUM_KV_HEADS)
+    first_slice = (pid % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
+    kv_head = (pid // PROGRAMS_PER_HEAD) % NUM_KV_HEADS
+    slot = pid // (PROGRAMS_PER_HEAD * NUM_KV_HEADS)
     start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
     if length <= 0:
         return
@@ -165,8 +170,8 @@ def _block_attention_bwd_kernel(
     rows = start + offs
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
-    col0 = out_chunk * CHUNK
-    out_mask = _tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
+    dk_base = dk_ptr + kv_head * stride_dkh
+    dv_base = dv_ptr + kv_head * stride_dvh
 
     dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
     dv = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
@@ -174,40 +179,44 @@ def _block_attention_bwd_kernel(
         head = kv_head * GROUP + g
         q_base = q_ptr + head * stride_qh
         do_base = do_ptr + head * stride_doh
-        scores_t = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
-        dp_t = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
-        for c in tl.static_range(NUM_CHUNKS):
+        scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
             mask = _tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
             q = tl.load(_tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
             k = tl.load(_tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
+            # Loaded after the first product: fewer tiles live at once (no register spills at D = 64).
             v = tl.load(_tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
             do = tl.load(_tile_ptrs(do_base, rows, c * CHUNK, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
-            scores_t = tl.dot(k, tl.trans(q), scores_t, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), dp_t, input_precision=DOT_PRECISION)
-        # Column softmax of S^T (each column is one query row over the keys of the block).
-        scores_t = tl.where(row_ok[:, None], scores_t * qk_scale_log2, float("-inf"))
-        p_t = tl.exp2(scores_t - tl.max(scores_t, axis=0)[None, :])
-        p_t = p_t / tl.sum(p_t, axis=0)[None, :]
-        ds_t = (p_t * (dp_t - tl.sum(p_t * dp_t, axis=0)[None, :])).to(q_ptr.dtype.element_ty)
-        p_t = p_t.to(q_ptr.dtype.element_ty)
-        if NUM_CHUNKS > 1:
-            # This program's output slice was loaded in the loop above but is no longer in scope: reload it (L2 hit).
-            q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=out_mask, other=0.0)
-            k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=out_mask, other=0.0)
-            do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=out_mask, other=0.0)
-        # Without a group to accumulate over, each result is stored as soon as it exists (shorter register lives).
-        dv = tl.dot(p_t, do, dv, input_precision=DOT_PRECISION)
-        if GROUP == 1:
-            _store_tile(dv_ptr + kv_head * stride_dvh, rows, col0, stride_dvn, stride_dvd, dv, out_mask, CHUNK)
-        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
-        _store_tile(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, dq, out_mask, CHUNK)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-        if GROUP == 1:
-            _store_tile(dk_ptr + kv_head * stride_dkh, rows, col0, stride_dkn, stride_dkd, dk * scale, out_mask, CHUNK)
+            dp = tl.dot(do, tl.trans(v), dp, input_precision=DOT_PRECISION)
+        p = _softmax_probs(scores, row_ok, qk_scale_log2)
+        ds = (p * (dp - tl.sum(p * dp, axis=1)[:, None])).to(q_ptr.dtype.element_ty)
+        p = p.to(q_ptr.dtype.element_ty)
+        for i in range(SLICES_PER_PROGRAM):
+            col0 = (first_slice + i) * CHUNK
+            mask = _tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
+            # Read this slice again (an L1/L2 hit): holding every slice from the loop above would spill registers.
+            q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
+            k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+            do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
+            if GROUP == 1:
+                _store_tile(dv_base, rows, col0, stride_dvn, stride_dvd,
+                            tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION), mask, CHUNK)
+            else:
+                dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PRECISION)
+            dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
+            _store_tile(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, dq, mask, CHUNK)
+            if GROUP == 1:
+                _store_tile(dk_base, rows, col0, stride_dkn, stride_dkd,
+                            tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
+            else:
+                dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
 
     if GROUP > 1:
-        _store_tile(dv_ptr + kv_head * stride_dvh, rows, col0, stride_dvn, stride_dvd, dv, out_mask, CHUNK)
-        _store_tile(dk_ptr + kv_head * stride_dkh, rows, col0, stride_dkn, stride_dkd, dk * scale, out_mask, CHUNK)
+        mask = _tile_mask(row_ok, first_slice * CHUNK, head_dim, CHUNK, EVEN_D)
+        _store_tile(dv_base, rows, first_slice * CHUNK, stride_dvn, stride_dvd, dv, mask, CHUNK)
+        _store_tile(dk_base, rows, first_slice * CHUNK, stride_dkn, stride_dkd, dk * scale, mask, CHUNK)
 
 
 def new_output(like: torch.Tensor) -> torch.Tensor:
@@ -243,7 +252,7 @@ def block_attention_fwd_triton(
     out = new_output(q)
     if block_seq.numel() == 0:
         return out
-    cfg = kernel_config(block_size, d)
+    cfg = kernel_config(block_size, d, backward=False)
     grid = (block_seq.numel() * hq,)
     _block_attention_fwd_kernel[grid](
         q, k, v, out, block_seq, block_cum, offsets,
@@ -252,7 +261,7 @@ def block_attention_fwd_triton(
         NUM_Q_HEADS=hq, GROUP=hq // hkv, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or _num_warps(block_size), num_stages=1,
+        num_warps=num_warps or _num_warps(block_size, cfg["NUM_CHUNKS"], backward=False), num_stages=1,
     )
     return out
 
@@ -276,16 +285,18 @@ def block_attention_bwd_triton(
     dq, dk, dv = new_output(q), new_output(k), new_output(v)
     if block_seq.numel() == 0:
         return dq, dk, dv
-    cfg = kernel_config(block_size, d)
-    grid = (block_seq.numel() * hkv * cfg["NUM_CHUNKS"],)
+    cfg = kernel_config(block_size, d, backward=True)
+    group = hq // hkv
+    programs_per_head = 1 if group == 1 else cfg["NUM_CHUNKS"]  # as in the kernel
+    grid = (block_seq.numel() * hkv * programs_per_head,)
     _block_attention_bwd_kernel[grid](
         q, k, v, grad_out, dq, dk, dv, block_seq, block_cum, offsets,
         offsets.numel() - 1, n, d, scale, scale * _LOG2E,
         *_strides(q, k, v, grad_out, dq, dk, dv),
-        NUM_KV_HEADS=hkv, GROUP=hq // hkv, BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=hkv, GROUP=group, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or _num_warps(block_size), num_stages=1,
+        num_warps=num_warps or _num_warps(block_size, cfg["NUM_CHUNKS"], backward=True), num_stages=1,
     )
     return dq, dk, dv
 
