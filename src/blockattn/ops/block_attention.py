@@ -37,11 +37,10 @@ def kernel_config(block_size: int, head_dim: int, backward: bool) -> dict:
     }
 
 
-def _num_warps(block_size: int, num_chunks: int, backward: bool) -> int:
-    # 4 warps beat 2 and 8 on an H200 for single-slice 64-token blocks (docs/benchmarks.md). 128-token blocks hold
-    # a 128 x 128 score tile, and a sliced backward holds scores, dP and a slice's tiles at once: both need the
-    # registers of 8 warps to avoid spilling.
-    return 8 if block_size == 128 or (backward and num_chunks > 1) else 4
+def _num_warps(block_size: int) -> int:
+    # On an H200 4 warps beat 2 and 8 for 64-token blocks at D = 64 and 128, in both passes, even where 8 would
+    # spill fewer registers (docs/benchmarks.md). 128-token blocks hold a 128 x 128 fp32 score tile: 8 warps.
+    return 8 if block_size == 128 else 4
 
 
 @triton.jit
@@ -152,11 +151,12 @@ def _block_attention_bwd_kernel(
     stride_dvn, stride_dvh, stride_dvd,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLICES_PER_PROGRAM: tl.constexpr,
 ):
-    # Without GQA (GROUP == 1) one program per (block, head) writes every output slice, each as soon as it is
-    # computed. With GQA one program per (block, kv head, output slice) loops over the GROUP query heads that share
-    # the kv head and accumulates that slice of dk/dv in registers. No atomics: bitwise reproducible.
-    SLICES_PER_PROGRAM: tl.constexpr = NUM_CHUNKS if GROUP == 1 else 1
+    # Each program owns SLICES_PER_PROGRAM of the NUM_CHUNKS head-dim slices of one (block, kv head): it recomputes
+    # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
+    # as soon as it is computed. With GQA a program owns one slice and loops over the GROUP query heads that share
+    # the kv head, accumulating that slice of dk/dv in registers. No atomics: bitwise reproducible.
     PROGRAMS_PER_HEAD: tl.constexpr = NUM_CHUNKS // SLICES_PER_PROGRAM
     pid = tl.program_id(0)
     first_slice = (pid % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
@@ -224,6 +224,10 @@ def new_output(like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like)
 
 
+def _register_cap(maxnreg: int | None) -> dict:
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs get true fp32 products ("ieee"), not TF32: callers who pass fp32 asked for fp32.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -244,9 +248,11 @@ def block_attention_fwd_triton(
     scale: float,
     *,
     num_warps: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Launch the forward kernel over the block table of ``layout.block_table``. Arguments are assumed validated
-    (``layout.validate``); ``num_warps`` overrides the tuned choice (for tuning sweeps)."""
+    (``layout.validate``); ``num_warps`` and ``maxnreg`` (a register cap) override the tuned launch (for tuning
+    sweeps)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     out = new_output(q)
@@ -261,7 +267,7 @@ def block_attention_fwd_triton(
         NUM_Q_HEADS=hq, GROUP=hq // hkv, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or _num_warps(block_size, cfg["NUM_CHUNKS"], backward=False), num_stages=1,
+        num_warps=num_warps or _num_warps(block_size), num_stages=1, **_register_cap(maxnreg),
     )
     return out
 
@@ -278,8 +284,11 @@ def block_attention_bwd_triton(
     scale: float,
     *,
     num_warps: int | None = None,
+    maxnreg: int | None = None,
+    slices_per_program: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel; returns ``(dq, dk, dv)`` in the inputs' dtypes."""
+    """Launch the backward kernel; returns ``(dq, dk, dv)`` in the inputs' dtypes. ``num_warps``, ``maxnreg`` and
+    ``slices_per_program`` override the tuned choices (for tuning sweeps; the last must be 1 under GQA)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     dq, dk, dv = new_output(q), new_output(k), new_output(v)
@@ -287,16 +296,16 @@ def block_attention_bwd_triton(
         return dq, dk, dv
     cfg = kernel_config(block_size, d, backward=True)
     group = hq // hkv
-    programs_per_head = 1 if group == 1 else cfg["NUM_CHUNKS"]  # as in the kernel
-    grid = (block_seq.numel() * hkv * programs_per_head,)
+    slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
+    grid = (block_seq.numel() * hkv * (cfg["NUM_CHUNKS"] // slices),)
     _block_attention_bwd_kernel[grid](
         q, k, v, grad_out, dq, dk, dv, block_seq, block_cum, offsets,
         offsets.numel() - 1, n, d, scale, scale * _LOG2E,
         *_strides(q, k, v, grad_out, dq, dk, dv),
         NUM_KV_HEADS=hkv, GROUP=group, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
-        DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or _num_warps(block_size, cfg["NUM_CHUNKS"], backward=True), num_stages=1,
+        DOT_PRECISION=_dot_precision(q.dtype), SLICES_PER_PROGRAM=slices,
+        num_warps=num_warps or _num_warps(block_size), num_stages=1, **_register_cap(maxnreg),
     )
     return dq, dk, dv
 
