@@ -87,6 +87,13 @@ def test_kernels_split_head_dim(poisoned_outputs):
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, 128), q, k, v, do, offsets, 128)
 
 
+def test_kernels_persistent_backward(poisoned_outputs):
+    """64-token blocks at D = 128 without GQA: the backward loops over many blocks per program, pipelined."""
+    assert impl.kernel_config(64, 128, backward=True)["PIPELINE_STAGES"] > 1
+    q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 7, 129], 2, 2, 128, torch.float16, KERNEL_DEVICE)
+    assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, 64), q, k, v, do, offsets, 64)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_torch_path_odd_lengths_gqa(block_size, dtype):

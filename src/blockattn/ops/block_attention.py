@@ -20,20 +20,25 @@ from ..layout import block_rows
 _LOG2E = 1.4426950408889634
 
 
-def kernel_config(block_size: int, head_dim: int, backward: bool) -> dict:
-    """Compile-time shape of a kernel for a block size and head dim.
+def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2) -> dict:
+    """Compile-time shape and launch of a kernel, as measured best on an H200 (docs/benchmarks.md).
 
     Head-dim slices are at most 64 x 128 elements in the forward and 64 x 64 in the backward, which holds more
-    tiles at once: larger slices spill registers on an H100/H200 (seen in the compiled kernels' resource usage).
+    tiles at once (larger slices spill registers). One exception: the backward of 64-token blocks with
+    64 < D <= 128, 16-bit inputs and no GQA group takes whole rows in a persistent loop that prefetches the next
+    block's tiles three deep (1.17x the memory floor on the `ads` preset, against 1.28x for 64-wide slices); fp32
+    tiles would not fit three deep in shared memory.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
-    max_slice = 64 * 64 if backward else 64 * 128
+    pipelined = backward and group == 1 and block_size == 64 and 64 < block_d <= 128 and element_size == 2
+    max_slice = 64 * 64 if backward and not pipelined else 64 * 128
     chunk = min(block_d, max(16, max_slice // block_size))
     return {
         "BLOCK_D": block_d,
         "CHUNK": chunk,
         "NUM_CHUNKS": triton.cdiv(block_d, chunk),
         "EVEN_D": block_d == head_dim,
+        "PIPELINE_STAGES": 3 if pipelined else 1,
     }
 
 
@@ -138,10 +143,26 @@ def _block_attention_fwd_kernel(
 
 
 @triton.jit
+def _bwd_slice_products(q_base, k_base, v_base, do_base, rows, row_ok, col0, head_dim, scores, dp,
+                        stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
+                        CHUNK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add one head-dim slice's share of ``q k^T`` and ``dO v^T``; return the slice's q, k, dO tiles too."""
+    mask = _tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
+    q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
+    k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
+    # Loaded after the first product: fewer tiles live at once (no register spills at D = 64).
+    v = tl.load(_tile_ptrs(v_base, rows, col0, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
+    do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
+    dp = tl.dot(do, tl.trans(v), dp, input_precision=DOT_PRECISION)
+    return q, k, do, scores, dp
+
+
+@triton.jit
 def _block_attention_bwd_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr,
     block_seq_ptr, block_cum_ptr, offsets_ptr,
-    num_seqs, num_tokens, head_dim, scale, qk_scale_log2,
+    num_seqs, num_slots, num_tokens, head_dim, scale, qk_scale_log2,
     stride_qn, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
@@ -151,77 +172,93 @@ def _block_attention_bwd_kernel(
     stride_dvn, stride_dvh, stride_dvd,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLICES_PER_PROGRAM: tl.constexpr,
+    SLICES_PER_PROGRAM: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
 ):
     # Each program owns SLICES_PER_PROGRAM of the NUM_CHUNKS head-dim slices of one (block, kv head): it recomputes
     # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
     # as soon as it is computed. With GQA a program owns one slice and loops over the GROUP query heads that share
     # the kv head, accumulating that slice of dk/dv in registers. No atomics: bitwise reproducible.
     PROGRAMS_PER_HEAD: tl.constexpr = NUM_CHUNKS // SLICES_PER_PROGRAM
-    pid = tl.program_id(0)
-    first_slice = (pid % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
-    kv_head = (pid // PROGRAMS_PER_HEAD) % NUM_KV_HEADS
-    slot = pid // (PROGRAMS_PER_HEAD * NUM_KV_HEADS)
-    start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
-    if length <= 0:
-        return
+    # Work items are (block, kv head, slice group) for the blocks that exist (the rest of the slots are padding).
+    num_blocks = tl.minimum(tl.load(block_cum_ptr + num_seqs - 1), num_slots)
+    num_items = num_blocks * NUM_KV_HEADS * PROGRAMS_PER_HEAD
     offs = tl.arange(0, BLOCK_SIZE)
-    row_ok = offs < length
-    rows = start + offs
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    dk_base = dk_ptr + kv_head * stride_dkh
-    dv_base = dv_ptr + kv_head * stride_dvh
+    # One item per program, or (PIPELINE_STAGES > 1) a persistent loop whose next item's tiles the compiler
+    # prefetches into shared memory while the current one computes.
+    for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), num_stages=PIPELINE_STAGES):
+        first_slice = (item % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
+        kv_head = (item // PROGRAMS_PER_HEAD) % NUM_KV_HEADS
+        slot = item // (PROGRAMS_PER_HEAD * NUM_KV_HEADS)
+        start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens,
+                                      BLOCK_SIZE)
+        row_ok = offs < length
+        rows = start + offs
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_vh
+        dk_base = dk_ptr + kv_head * stride_dkh
+        dv_base = dv_ptr + kv_head * stride_dvh
 
-    dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
-        q_base = q_ptr + head * stride_qh
-        do_base = do_ptr + head * stride_doh
-        scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
-        dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
-        for c in range(NUM_CHUNKS):
-            mask = _tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
-            q = tl.load(_tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
-            k = tl.load(_tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
-            # Loaded after the first product: fewer tiles live at once (no register spills at D = 64).
-            v = tl.load(_tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
-            do = tl.load(_tile_ptrs(do_base, rows, c * CHUNK, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
-            dp = tl.dot(do, tl.trans(v), dp, input_precision=DOT_PRECISION)
-        p = _softmax_probs(scores, row_ok, qk_scale_log2)
-        ds = (p * (dp - tl.sum(p * dp, axis=1)[:, None])).to(q_ptr.dtype.element_ty)
-        p = p.to(q_ptr.dtype.element_ty)
-        for i in range(SLICES_PER_PROGRAM):
-            col0 = (first_slice + i) * CHUNK
-            mask = _tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
-            # Read this slice again (an L1/L2 hit): holding every slice from the loop above would spill registers.
-            q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
-            k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
-            do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
-            if GROUP == 1:
-                _store_tile(dv_base, rows, col0, stride_dvn, stride_dvd,
-                            tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION), mask, CHUNK)
+        dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
+        dv = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            q_base = q_ptr + head * stride_qh
+            do_base = do_ptr + head * stride_doh
+            scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+            dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+            if NUM_CHUNKS == 1:
+                q, k, do, scores, dp = _bwd_slice_products(
+                    q_base, k_base, v_base, do_base, rows, row_ok, 0, head_dim, scores, dp,
+                    stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
+                    CHUNK, EVEN_D, DOT_PRECISION)
             else:
-                dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PRECISION)
-            dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
-            _store_tile(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, dq, mask, CHUNK)
-            if GROUP == 1:
-                _store_tile(dk_base, rows, col0, stride_dkn, stride_dkd,
-                            tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
-            else:
-                dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
+                for c in range(NUM_CHUNKS):  # a loop, not unrolled: unrolled, every slice's loads are hoisted
+                    q, k, do, scores, dp = _bwd_slice_products(
+                        q_base, k_base, v_base, do_base, rows, row_ok, c * CHUNK, head_dim, scores, dp,
+                        stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
+                        CHUNK, EVEN_D, DOT_PRECISION)
+            p = _softmax_probs(scores, row_ok, qk_scale_log2)
+            ds = (p * (dp - tl.sum(p * dp, axis=1)[:, None])).to(q_ptr.dtype.element_ty)
+            p = p.to(q_ptr.dtype.element_ty)
+            for i in range(SLICES_PER_PROGRAM):
+                col0 = (first_slice + i) * CHUNK
+                mask = _tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
+                if NUM_CHUNKS > 1:
+                    # Read the slice again (an L1/L2 hit): holding every slice would spill registers.
+                    q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
+                    k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+                    do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask,
+                                 other=0.0)
+                if GROUP == 1:
+                    _store_tile(dv_base, rows, col0, stride_dvn, stride_dvd,
+                                tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION), mask, CHUNK)
+                else:
+                    dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PRECISION)
+                dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
+                _store_tile(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, dq, mask, CHUNK)
+                if GROUP == 1:
+                    _store_tile(dk_base, rows, col0, stride_dkn, stride_dkd,
+                                tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
+                else:
+                    dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
 
-    if GROUP > 1:
-        mask = _tile_mask(row_ok, first_slice * CHUNK, head_dim, CHUNK, EVEN_D)
-        _store_tile(dv_base, rows, first_slice * CHUNK, stride_dvn, stride_dvd, dv, mask, CHUNK)
-        _store_tile(dk_base, rows, first_slice * CHUNK, stride_dkn, stride_dkd, dk * scale, mask, CHUNK)
+        if GROUP > 1:
+            mask = _tile_mask(row_ok, first_slice * CHUNK, head_dim, CHUNK, EVEN_D)
+            _store_tile(dv_base, rows, first_slice * CHUNK, stride_dvn, stride_dvd, dv, mask, CHUNK)
+            _store_tile(dk_base, rows, first_slice * CHUNK, stride_dkn, stride_dkd, dk * scale, mask, CHUNK)
 
 
 def new_output(like: torch.Tensor) -> torch.Tensor:
     """Allocation of every kernel output (one place, so tests can poison it)."""
     return torch.empty_like(like)
+
+
+def _persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent kernel: one per multiprocessor. Off the GPU (Triton's interpreter) a few, so that
+    each runs several work items as on the GPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 3
 
 
 def _register_cap(maxnreg: int | None) -> dict:
@@ -294,17 +331,19 @@ def block_attention_bwd_triton(
     dq, dk, dv = new_output(q), new_output(k), new_output(v)
     if block_seq.numel() == 0:
         return dq, dk, dv
-    cfg = kernel_config(block_size, d, backward=True)
     group = hq // hkv
+    cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size())
     slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
-    grid = (block_seq.numel() * hkv * (cfg["NUM_CHUNKS"] // slices),)
-    _block_attention_bwd_kernel[grid](
+    items = block_seq.numel() * hkv * (cfg["NUM_CHUNKS"] // slices)  # an upper bound: some slots are padding
+    if cfg["PIPELINE_STAGES"] > 1:
+        items = min(items, _persistent_programs(q.device))
+    _block_attention_bwd_kernel[(items,)](
         q, k, v, grad_out, dq, dk, dv, block_seq, block_cum, offsets,
-        offsets.numel() - 1, n, d, scale, scale * _LOG2E,
+        offsets.numel() - 1, block_seq.numel(), n, d, scale, scale * _LOG2E,
         *_strides(q, k, v, grad_out, dq, dk, dv),
         NUM_KV_HEADS=hkv, GROUP=group, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
-        DOT_PRECISION=_dot_precision(q.dtype), SLICES_PER_PROGRAM=slices,
+        DOT_PRECISION=_dot_precision(q.dtype), SLICES_PER_PROGRAM=slices, PIPELINE_STAGES=cfg["PIPELINE_STAGES"],
         num_warps=num_warps or _num_warps(block_size), num_stages=1, **_register_cap(maxnreg),
     )
     return dq, dk, dv
