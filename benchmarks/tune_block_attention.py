@@ -40,7 +40,9 @@ def main():
                 args.rep_ms)
             print(f"  fwd warps={warps} maxnreg={cap}: {ms:.3f} ms = {ms / floors['fwd']:.3f} x floor")
         chunks = impl.kernel_config(bs, w.head_dim, backward=True)["NUM_CHUNKS"]
-        for warps, cap, slices in itertools.product((4, 8), (None, 168, 128), sorted({1, chunks})):
+        # slices None: the default kernel choice (persistent where kernel_config pipelines); a number: one block
+        # per program with that many head-dim slices each.
+        for warps, cap, slices in itertools.product((4, 8), (None, 168, 128), [None, *sorted({1, chunks})]):
             ms = time_ms(lambda: impl.block_attention_bwd_triton(
                 case.do, case.q, case.k, case.v, case.offsets, *case.table, bs, scale, num_warps=warps,
                 maxnreg=cap, slices_per_program=slices), args.rep_ms)

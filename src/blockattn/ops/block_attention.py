@@ -159,7 +159,98 @@ def _bwd_slice_products(q_base, k_base, v_base, do_base, rows, row_ok, col0, hea
 
 
 @triton.jit
+def _grad_scores(p, dp, dtype):
+    """``dS = P * (dP - rowsum(P * dP))``: ``Di`` from the tile itself, no preprocessing pass and no ``o`` read."""
+    return (p * (dp - tl.sum(p * dp, axis=1)[:, None])).to(dtype)
+
+
+@triton.jit
 def _block_attention_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr,
+    block_seq_ptr, block_cum_ptr, offsets_ptr,
+    num_seqs, num_tokens, head_dim, scale, qk_scale_log2,
+    stride_qn, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kd,
+    stride_vn, stride_vh, stride_vd,
+    stride_don, stride_doh, stride_dod,
+    stride_dqn, stride_dqh, stride_dqd,
+    stride_dkn, stride_dkh, stride_dkd,
+    stride_dvn, stride_dvh, stride_dvd,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLICES_PER_PROGRAM: tl.constexpr,
+):
+    # Each program owns SLICES_PER_PROGRAM of the NUM_CHUNKS head-dim slices of one (block, kv head): it recomputes
+    # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
+    # as soon as it is computed. With GQA a program owns one slice and loops over the GROUP query heads that share
+    # the kv head, accumulating that slice of dk/dv in registers. No atomics: bitwise reproducible.
+    PROGRAMS_PER_HEAD: tl.constexpr = NUM_CHUNKS // SLICES_PER_PROGRAM
+    pid = tl.program_id(0)
+    first_slice = (pid % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
+    kv_head = (pid // PROGRAMS_PER_HEAD) % NUM_KV_HEADS
+    slot = pid // (PROGRAMS_PER_HEAD * NUM_KV_HEADS)
+    start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
+    if length <= 0:
+        return
+    offs = tl.arange(0, BLOCK_SIZE)
+    row_ok = offs < length
+    rows = start + offs
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    dk_base = dk_ptr + kv_head * stride_dkh
+    dv_base = dv_ptr + kv_head * stride_dvh
+
+    dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        q_base = q_ptr + head * stride_qh
+        do_base = do_ptr + head * stride_doh
+        scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        if NUM_CHUNKS == 1:
+            q, k, do, scores, dp = _bwd_slice_products(
+                q_base, k_base, v_base, do_base, rows, row_ok, 0, head_dim, scores, dp,
+                stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
+                CHUNK, EVEN_D, DOT_PRECISION)
+        else:
+            for c in range(NUM_CHUNKS):  # a loop, not unrolled: unrolled, every slice's loads are hoisted
+                q, k, do, scores, dp = _bwd_slice_products(
+                    q_base, k_base, v_base, do_base, rows, row_ok, c * CHUNK, head_dim, scores, dp,
+                    stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
+                    CHUNK, EVEN_D, DOT_PRECISION)
+        p = _softmax_probs(scores, row_ok, qk_scale_log2)
+        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty)
+        p = p.to(q_ptr.dtype.element_ty)
+        for i in range(SLICES_PER_PROGRAM):
+            col0 = (first_slice + i) * CHUNK
+            mask = _tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
+            if NUM_CHUNKS > 1:
+                # Read the slice again (an L1/L2 hit): holding every slice would spill registers.
+                q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
+                k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+                do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
+            if GROUP == 1:
+                _store_tile(dv_base, rows, col0, stride_dvn, stride_dvd,
+                            tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION), mask, CHUNK)
+            else:
+                dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PRECISION)
+            dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
+            _store_tile(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, dq, mask, CHUNK)
+            if GROUP == 1:
+                _store_tile(dk_base, rows, col0, stride_dkn, stride_dkd,
+                            tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
+            else:
+                dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
+
+    if GROUP > 1:
+        mask = _tile_mask(row_ok, first_slice * CHUNK, head_dim, CHUNK, EVEN_D)
+        _store_tile(dv_base, rows, first_slice * CHUNK, stride_dvn, stride_dvd, dv, mask, CHUNK)
+        _store_tile(dk_base, rows, first_slice * CHUNK, stride_dkn, stride_dkd, dk * scale, mask, CHUNK)
+
+
+@triton.jit
+def _block_attention_bwd_persistent_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr,
     block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_slots, num_tokens, head_dim, scale, qk_scale_log2,
@@ -170,82 +261,36 @@ def _block_attention_bwd_kernel(
     stride_dqn, stride_dqh, stride_dqd,
     stride_dkn, stride_dkh, stride_dkd,
     stride_dvn, stride_dvh, stride_dvd,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLICES_PER_PROGRAM: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
+    NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
 ):
-    # Each program owns SLICES_PER_PROGRAM of the NUM_CHUNKS head-dim slices of one (block, kv head): it recomputes
-    # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
-    # as soon as it is computed. With GQA a program owns one slice and loops over the GROUP query heads that share
-    # the kv head, accumulating that slice of dk/dv in registers. No atomics: bitwise reproducible.
-    PROGRAMS_PER_HEAD: tl.constexpr = NUM_CHUNKS // SLICES_PER_PROGRAM
-    # Work items are (block, kv head, slice group) for the blocks that exist (the rest of the slots are padding).
-    num_blocks = tl.minimum(tl.load(block_cum_ptr + num_seqs - 1), num_slots)
-    num_items = num_blocks * NUM_KV_HEADS * PROGRAMS_PER_HEAD
+    # The backward without GQA, whole head dim in one slice, as a persistent loop over (block, head): the compiler
+    # prefetches the next item's tiles into shared memory while the current one computes, which hides the load
+    # latency that bounds one-block programs when few fit on a multiprocessor (D = 128).
+    num_blocks = tl.minimum(tl.load(block_cum_ptr + num_seqs - 1), num_slots)  # the rest of the slots are padding
     offs = tl.arange(0, BLOCK_SIZE)
-    # One item per program, or (PIPELINE_STAGES > 1) a persistent loop whose next item's tiles the compiler
-    # prefetches into shared memory while the current one computes.
-    for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), num_stages=PIPELINE_STAGES):
-        first_slice = (item % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
-        kv_head = (item // PROGRAMS_PER_HEAD) % NUM_KV_HEADS
-        slot = item // (PROGRAMS_PER_HEAD * NUM_KV_HEADS)
-        start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens,
-                                      BLOCK_SIZE)
+    for item in tl.range(tl.program_id(0), num_blocks * NUM_HEADS, tl.num_programs(0), num_stages=PIPELINE_STAGES):
+        head = item % NUM_HEADS
+        start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, item // NUM_HEADS, num_seqs,
+                                      num_tokens, BLOCK_SIZE)
         row_ok = offs < length
         rows = start + offs
-        k_base = k_ptr + kv_head * stride_kh
-        v_base = v_ptr + kv_head * stride_vh
-        dk_base = dk_ptr + kv_head * stride_dkh
-        dv_base = dv_ptr + kv_head * stride_dvh
-
-        dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
-        dv = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
-        for g in range(GROUP):
-            head = kv_head * GROUP + g
-            q_base = q_ptr + head * stride_qh
-            do_base = do_ptr + head * stride_doh
-            scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
-            dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
-            if NUM_CHUNKS == 1:
-                q, k, do, scores, dp = _bwd_slice_products(
-                    q_base, k_base, v_base, do_base, rows, row_ok, 0, head_dim, scores, dp,
-                    stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
-                    CHUNK, EVEN_D, DOT_PRECISION)
-            else:
-                for c in range(NUM_CHUNKS):  # a loop, not unrolled: unrolled, every slice's loads are hoisted
-                    q, k, do, scores, dp = _bwd_slice_products(
-                        q_base, k_base, v_base, do_base, rows, row_ok, c * CHUNK, head_dim, scores, dp,
-                        stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
-                        CHUNK, EVEN_D, DOT_PRECISION)
-            p = _softmax_probs(scores, row_ok, qk_scale_log2)
-            ds = (p * (dp - tl.sum(p * dp, axis=1)[:, None])).to(q_ptr.dtype.element_ty)
-            p = p.to(q_ptr.dtype.element_ty)
-            for i in range(SLICES_PER_PROGRAM):
-                col0 = (first_slice + i) * CHUNK
-                mask = _tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
-                if NUM_CHUNKS > 1:
-                    # Read the slice again (an L1/L2 hit): holding every slice would spill registers.
-                    q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
-                    k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
-                    do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask,
-                                 other=0.0)
-                if GROUP == 1:
-                    _store_tile(dv_base, rows, col0, stride_dvn, stride_dvd,
-                                tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION), mask, CHUNK)
-                else:
-                    dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PRECISION)
-                dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
-                _store_tile(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, dq, mask, CHUNK)
-                if GROUP == 1:
-                    _store_tile(dk_base, rows, col0, stride_dkn, stride_dkd,
-                                tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
-                else:
-                    dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
-
-        if GROUP > 1:
-            mask = _tile_mask(row_ok, first_slice * CHUNK, head_dim, CHUNK, EVEN_D)
-            _store_tile(dv_base, rows, first_slice * CHUNK, stride_dvn, stride_dvd, dv, mask, CHUNK)
-            _store_tile(dk_base, rows, first_slice * CHUNK, stride_dkn, stride_dkd, dk * scale, mask, CHUNK)
+        mask = _tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
+        zeros = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        q, k, do, scores, dp = _bwd_slice_products(
+            q_ptr + head * stride_qh, k_ptr + head * stride_kh, v_ptr + head * stride_vh, do_ptr + head * stride_doh,
+            rows, row_ok, 0, head_dim, zeros, zeros,
+            stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
+            CHUNK, EVEN_D, DOT_PRECISION)
+        p = _softmax_probs(scores, row_ok, qk_scale_log2)
+        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty)
+        p = p.to(q_ptr.dtype.element_ty)
+        _store_tile(dv_ptr + head * stride_dvh, rows, 0, stride_dvn, stride_dvd,
+                    tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION), mask, CHUNK)
+        _store_tile(dq_ptr + head * stride_dqh, rows, 0, stride_dqn, stride_dqd,
+                    tl.dot(ds, k, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
+        _store_tile(dk_ptr + head * stride_dkh, rows, 0, stride_dkn, stride_dkd,
+                    tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
 
 
 def new_output(like: torch.Tensor) -> torch.Tensor:
@@ -325,7 +370,8 @@ def block_attention_bwd_triton(
     slices_per_program: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernel; returns ``(dq, dk, dv)`` in the inputs' dtypes. ``num_warps``, ``maxnreg`` and
-    ``slices_per_program`` override the tuned choices (for tuning sweeps; the last must be 1 under GQA)."""
+    ``slices_per_program`` override the tuned choices (for tuning sweeps; the last must be 1 under GQA, and
+    giving it selects the one-block-per-program kernel)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     dq, dk, dv = new_output(q), new_output(k), new_output(v)
@@ -333,18 +379,24 @@ def block_attention_bwd_triton(
         return dq, dk, dv
     group = hq // hkv
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size())
+    common = dict(BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
+                  DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or _num_warps(block_size),
+                  num_stages=1, **_register_cap(maxnreg))
+    tensors = (q, k, v, grad_out, dq, dk, dv, block_seq, block_cum, offsets)
+    strides = _strides(q, k, v, grad_out, dq, dk, dv)
+    num_seqs, num_slots = offsets.numel() - 1, block_seq.numel()
+    if cfg["PIPELINE_STAGES"] > 1 and slices_per_program is None:
+        programs = min(num_slots * hq, _persistent_programs(q.device))
+        _block_attention_bwd_persistent_kernel[(programs,)](
+            *tensors, num_seqs, num_slots, n, d, scale, scale * _LOG2E, *strides,
+            NUM_HEADS=hq, PIPELINE_STAGES=cfg["PIPELINE_STAGES"], **common,
+        )
+        return dq, dk, dv
     slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
-    items = block_seq.numel() * hkv * (cfg["NUM_CHUNKS"] // slices)  # an upper bound: some slots are padding
-    if cfg["PIPELINE_STAGES"] > 1:
-        items = min(items, _persistent_programs(q.device))
-    _block_attention_bwd_kernel[(items,)](
-        q, k, v, grad_out, dq, dk, dv, block_seq, block_cum, offsets,
-        offsets.numel() - 1, block_seq.numel(), n, d, scale, scale * _LOG2E,
-        *_strides(q, k, v, grad_out, dq, dk, dv),
-        NUM_KV_HEADS=hkv, GROUP=group, BLOCK_SIZE=block_size,
-        CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
-        DOT_PRECISION=_dot_precision(q.dtype), SLICES_PER_PROGRAM=slices, PIPELINE_STAGES=cfg["PIPELINE_STAGES"],
-        num_warps=num_warps or _num_warps(block_size), num_stages=1, **_register_cap(maxnreg),
+    grid = (num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)
+    _block_attention_bwd_kernel[grid](
+        *tensors, num_seqs, n, d, scale, scale * _LOG2E, *strides,
+        NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, **common,
     )
     return dq, dk, dv
 
