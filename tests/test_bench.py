@@ -1,7 +1,10 @@
 """The benchmark harness and command line (timings themselves only on a GPU)."""
 
+import importlib.util
 import json
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -9,7 +12,16 @@ from conftest import HAS_GPU, make_offsets, requires_gpu, snr_db
 
 from blockattn.__main__ import build_parser, main, workloads_from_args
 from blockattn.bench import harness
-from blockattn.bench.baselines import Case, blockattn_runner, flex_block_mask, heads_first, padded_sdpa_runner
+from blockattn.bench.baselines import (
+    BASELINES,
+    Case,
+    Unavailable,
+    blockattn_runner,
+    flex_block_mask,
+    heads_first,
+    padded_sdpa_runner,
+)
+from blockattn.reference import block_attention_reference
 from blockattn.bench.presets import PRESETS, lengths_for_sparsity
 
 
@@ -94,6 +106,65 @@ def test_flex_block_mask_is_exact():
     out = flex_attention(*(heads_first(t) for t in case.inputs), block_mask=flex_block_mask(case), scale=case.scale,
                          enable_gqa=True)
     assert snr_db(out.squeeze(0).transpose(0, 1), blockattn_runner(case).check()[0]) > 100
+
+
+def segment_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    """Attention within each ``cu_seqlens`` segment: what the packages' varlen functions compute."""
+    return block_attention_reference(q, k, v, cu_seqlens, block_size=max_seqlen, scale=scale).to(q.dtype)
+
+
+def fake_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, **unused):
+    assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k and not causal and dropout_p == 0.0
+    return segment_attention(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale)
+
+
+class FakeBlockDiagonalMask:
+    def __init__(self, seqlens):
+        self.offsets = make_offsets(seqlens)
+
+    @classmethod
+    def from_seqlens(cls, seqlens):
+        return cls(seqlens)
+
+
+def fake_memory_efficient_attention(q, k, v, attn_bias, scale):
+    assert q.dim() == 4 and q.shape[0] == 1
+    return segment_attention(q[0], k[0], v[0], attn_bias.offsets, 64, scale)[None]
+
+
+def fake_modules(name):
+    """Stand-ins for the optional packages with their documented signatures (they are not installable here)."""
+    if name == "xformers BlockDiagonalMask":
+        ops, fmha, attn_bias = (types.ModuleType(m) for m in ("xformers.ops", "xformers.ops.fmha",
+                                                               "xformers.ops.fmha.attn_bias"))
+        ops.memory_efficient_attention = fake_memory_efficient_attention
+        attn_bias.BlockDiagonalMask = FakeBlockDiagonalMask
+        return {"xformers": types.ModuleType("xformers"), "xformers.ops": ops, "xformers.ops.fmha": fmha,
+                "xformers.ops.fmha.attn_bias": attn_bias}
+    module = {"flash_attn FA2": "flash_attn", "flash_attn FA3": "flash_attn_interface",
+              "flash_attn FA4": "flash_attn.cute"}[name]
+    fake = types.ModuleType(module)
+    fake.flash_attn_varlen_func = fake_flash_attn_varlen
+    return {module.split(".")[0]: types.ModuleType(module.split(".")[0]), module: fake}
+
+
+@pytest.mark.parametrize("name", ["flash_attn FA2", "flash_attn FA3", "flash_attn FA4", "xformers BlockDiagonalMask"])
+def test_optional_package_adapters(name, monkeypatch):
+    """The adapters' wiring (one segment per block, scale, layout), checked against stand-in packages."""
+    case = small_case()
+    if name == "xformers BlockDiagonalMask":
+        case = Case(case.q, case.k.repeat_interleave(2, 1), case.v.repeat_interleave(2, 1), case.do, case.offsets,
+                    64, case.scale)
+    fakes = fake_modules(name)
+    if importlib.util.find_spec(next(iter(fakes))) is None:
+        with pytest.raises(Unavailable, match="not installed"):
+            BASELINES[name](case)
+    for module, fake in fakes.items():
+        monkeypatch.setitem(sys.modules, module, fake)
+    runner = BASELINES[name](case)
+    for got, want in zip(runner.check(), blockattn_runner(case).check()):
+        assert snr_db(got, want) > 100
 
 
 def fake_report():

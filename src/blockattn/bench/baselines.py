@@ -225,9 +225,11 @@ def flex_runner(case: Case) -> Runner:
     return runner
 
 
-def _require(module: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        raise Unavailable(f"`{module}` is not installed")
+def _import(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise Unavailable(f"`{module}` is not installed ({error})") from None
 
 
 def flash_attn_package_runner(module: str, function: str) -> Callable[[Case], Runner]:
@@ -235,8 +237,7 @@ def flash_attn_package_runner(module: str, function: str) -> Callable[[Case], Ru
     FA4 ``flash_attn.cute``), one ``cu_seqlens`` boundary per block."""
 
     def make(case: Case) -> Runner:
-        _require(module.split(".")[0])
-        varlen = getattr(importlib.import_module(module), function)
+        varlen = getattr(_import(module), function)
         cu, bs = case.cu_blocks, case.block_size
 
         def forward(q, k, v):
@@ -250,9 +251,8 @@ def flash_attn_package_runner(module: str, function: str) -> Callable[[Case], Ru
 
 
 def xformers_runner(case: Case) -> Runner:
-    _require("xformers")
-    from xformers.ops import memory_efficient_attention
-    from xformers.ops.fmha.attn_bias import BlockDiagonalMask
+    memory_efficient_attention = _import("xformers.ops").memory_efficient_attention
+    BlockDiagonalMask = _import("xformers.ops.fmha.attn_bias").BlockDiagonalMask  # noqa: N806
 
     if case.gqa:
         raise Unavailable("GQA needs xformers' 5-D layout; not wired here")

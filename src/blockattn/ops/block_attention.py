@@ -7,6 +7,9 @@ the softmax is exact in one pass (no online rescaling, no log-sum-exp), and the 
 Head dims are processed in ``CHUNK``-wide column slices: scores and ``dP`` accumulate over the slices, outputs are
 written slice by slice. For small tiles there is one slice (each tensor is read once); large tiles (``BS * D``
 beyond what registers hold) are split so that no program needs a full ``[BS, 256]`` fp32 accumulator.
+
+The backward has a second kernel for the production shape (64-token blocks, 64 < D <= 128, no GQA): a persistent
+loop over blocks that the compiler software-pipelines, so loads of the next block overlap the current one's math.
 """
 
 from __future__ import annotations
@@ -276,12 +279,14 @@ def _block_attention_bwd_persistent_kernel(
         row_ok = offs < length
         rows = start + offs
         mask = _tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
-        zeros = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
-        q, k, do, scores, dp = _bwd_slice_products(
-            q_ptr + head * stride_qh, k_ptr + head * stride_kh, v_ptr + head * stride_vh, do_ptr + head * stride_doh,
-            rows, row_ok, 0, head_dim, zeros, zeros,
-            stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
-            CHUNK, EVEN_D, DOT_PRECISION)
+        # All four tiles first: the loads the pipeliner prefetches (1.17x the floor on `ads`, 1.22x interleaved).
+        q = tl.load(_tile_ptrs(q_ptr + head * stride_qh, rows, 0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
+        k = tl.load(_tile_ptrs(k_ptr + head * stride_kh, rows, 0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+        v = tl.load(_tile_ptrs(v_ptr + head * stride_vh, rows, 0, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
+        do = tl.load(_tile_ptrs(do_ptr + head * stride_doh, rows, 0, stride_don, stride_dod, CHUNK), mask=mask,
+                     other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         p = _softmax_probs(scores, row_ok, qk_scale_log2)
         ds = _grad_scores(p, dp, q_ptr.dtype.element_ty)
         p = p.to(q_ptr.dtype.element_ty)
