@@ -87,10 +87,14 @@ def test_kernels_split_head_dim(poisoned_outputs):
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, 128), q, k, v, do, offsets, 128)
 
 
-def test_kernels_persistent_backward(poisoned_outputs):
-    """64-token blocks at D = 128 without GQA: the backward loops over many blocks per program, pipelined."""
+@pytest.mark.parametrize("grad_layout", ["same", "transposed"])
+def test_kernels_persistent_backward(grad_layout, poisoned_outputs):
+    """64-token blocks at D = 128 without GQA: the backward loops over many blocks per program, pipelined, when all
+    tensors share one layout; a grad_out with its own strides takes the one-block-per-program kernel instead."""
     assert impl.kernel_config(64, 128, backward=True)["PIPELINE_STAGES"] > 1
     q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 7, 129], 2, 2, 128, torch.float16, KERNEL_DEVICE)
+    if grad_layout == "transposed":
+        do = do.transpose(0, 1).contiguous().transpose(0, 1)
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, 64), q, k, v, do, offsets, 64)
 
 

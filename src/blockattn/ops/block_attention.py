@@ -8,8 +8,9 @@ Head dims are processed in ``CHUNK``-wide column slices: scores and ``dP`` accum
 written slice by slice. For small tiles there is one slice (each tensor is read once); large tiles (``BS * D``
 beyond what registers hold) are split so that no program needs a full ``[BS, 256]`` fp32 accumulator.
 
-The backward has a second kernel for the production shape (64-token blocks, 64 < D <= 128, no GQA): a persistent
-loop over blocks that the compiler software-pipelines, so loads of the next block overlap the current one's math.
+The backward has a second kernel for the production shape (64-token blocks, 64 < D <= 128, no GQA, one memory
+layout for all tensors): a persistent loop over blocks that the compiler software-pipelines, so loads of the next
+block overlap the current one's math.
 """
 
 from __future__ import annotations
@@ -257,45 +258,39 @@ def _block_attention_bwd_persistent_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr,
     block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_slots, num_tokens, head_dim, scale, qk_scale_log2,
-    stride_qn, stride_qh, stride_qd,
-    stride_kn, stride_kh, stride_kd,
-    stride_vn, stride_vh, stride_vd,
-    stride_don, stride_doh, stride_dod,
-    stride_dqn, stride_dqh, stride_dqd,
-    stride_dkn, stride_dkh, stride_dkd,
-    stride_dvn, stride_dvh, stride_dvd,
+    stride_n, stride_h, stride_d,
     NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
 ):
     # The backward without GQA, whole head dim in one slice, as a persistent loop over (block, head): the compiler
     # prefetches the next item's tiles into shared memory while the current one computes, which hides the load
-    # latency that bounds one-block programs when few fit on a multiprocessor (D = 128).
+    # latency that bounds one-block programs when few fit on a multiprocessor (D = 128). All seven tensors share
+    # one layout (the launcher checks), so one tile of offsets serves every load and store.
     num_blocks = tl.minimum(tl.load(block_cum_ptr + num_seqs - 1), num_slots)  # the rest of the slots are padding
     offs = tl.arange(0, BLOCK_SIZE)
     for item in tl.range(tl.program_id(0), num_blocks * NUM_HEADS, tl.num_programs(0), num_stages=PIPELINE_STAGES):
-        head = item % NUM_HEADS
         start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, item // NUM_HEADS, num_seqs,
                                       num_tokens, BLOCK_SIZE)
         row_ok = offs < length
-        rows = start + offs
         mask = _tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
+        tile = _tile_ptrs((item % NUM_HEADS) * stride_h, start + offs, 0, stride_n, stride_d, CHUNK)
         # All four tiles first: the loads the pipeliner prefetches (1.17x the floor on `ads`, 1.22x interleaved).
-        q = tl.load(_tile_ptrs(q_ptr + head * stride_qh, rows, 0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
-        k = tl.load(_tile_ptrs(k_ptr + head * stride_kh, rows, 0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
-        v = tl.load(_tile_ptrs(v_ptr + head * stride_vh, rows, 0, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
-        do = tl.load(_tile_ptrs(do_ptr + head * stride_doh, rows, 0, stride_don, stride_dod, CHUNK), mask=mask,
-                     other=0.0)
+        q = tl.load(q_ptr + tile, mask=mask, other=0.0)
+        k = tl.load(k_ptr + tile, mask=mask, other=0.0)
+        v = tl.load(v_ptr + tile, mask=mask, other=0.0)
+        do = tl.load(do_ptr + tile, mask=mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         p = _softmax_probs(scores, row_ok, qk_scale_log2)
         ds = _grad_scores(p, dp, q_ptr.dtype.element_ty)
         p = p.to(q_ptr.dtype.element_ty)
-        _store_tile(dv_ptr + head * stride_dvh, rows, 0, stride_dvn, stride_dvd,
-                    tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION), mask, CHUNK)
-        _store_tile(dq_ptr + head * stride_dqh, rows, 0, stride_dqn, stride_dqd,
-                    tl.dot(ds, k, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
-        _store_tile(dk_ptr + head * stride_dkh, rows, 0, stride_dkn, stride_dkd,
-                    tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
+        tl.store(dv_ptr + tile, tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION).to(dv_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(dq_ptr + tile, (tl.dot(ds, k, input_precision=DOT_PRECISION) * scale).to(dq_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(dk_ptr + tile,
+                 (tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale).to(dk_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def new_output(like: torch.Tensor) -> torch.Tensor:
@@ -388,19 +383,19 @@ def block_attention_bwd_triton(
                   DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or _num_warps(block_size),
                   num_stages=1, **_register_cap(maxnreg))
     tensors = (q, k, v, grad_out, dq, dk, dv, block_seq, block_cum, offsets)
-    strides = _strides(q, k, v, grad_out, dq, dk, dv)
     num_seqs, num_slots = offsets.numel() - 1, block_seq.numel()
-    if cfg["PIPELINE_STAGES"] > 1 and slices_per_program is None:
+    one_layout = len({t.stride() for t in (q, k, v, grad_out, dq, dk, dv)}) == 1
+    if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None:
         programs = min(num_slots * hq, _persistent_programs(q.device))
         _block_attention_bwd_persistent_kernel[(programs,)](
-            *tensors, num_seqs, num_slots, n, d, scale, scale * _LOG2E, *strides,
+            *tensors, num_seqs, num_slots, n, d, scale, scale * _LOG2E, *q.stride(),
             NUM_HEADS=hq, PIPELINE_STAGES=cfg["PIPELINE_STAGES"], **common,
         )
         return dq, dk, dv
     slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
     grid = (num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)
     _block_attention_bwd_kernel[grid](
-        *tensors, num_seqs, n, d, scale, scale * _LOG2E, *strides,
+        *tensors, num_seqs, n, d, scale, scale * _LOG2E, *_strides(q, k, v, grad_out, dq, dk, dv),
         NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, **common,
     )
     return dq, dk, dv
