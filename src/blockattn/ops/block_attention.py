@@ -30,7 +30,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     Head-dim slices are at most 64 x 128 elements in the forward and 64 x 64 in the backward, which holds more
     tiles at once (larger slices spill registers). One exception: the backward of 64-token blocks with
     64 < D <= 128, 16-bit inputs and no GQA group takes whole rows in a persistent loop that prefetches the next
-    block's tiles three deep (1.17x the memory floor on the `ads` preset, against 1.28x for 64-wide slices); fp32
+    block's tiles three deep (1.12x the memory floor on the `ads` preset, against 1.28x for 64-wide slices); fp32
     tiles would not fit three deep in shared memory.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -274,7 +274,7 @@ def _block_attention_bwd_persistent_kernel(
         row_ok = offs < length
         mask = _tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
         tile = _tile_ptrs((item % NUM_HEADS) * stride_h, start + offs, 0, stride_n, stride_d, CHUNK)
-        # All four tiles first: the loads the pipeliner prefetches (1.17x the floor on `ads`, 1.22x interleaved).
+        # All four tiles before the products: 1.17x the floor on `ads` against 1.22x interleaved with them.
         q = tl.load(q_ptr + tile, mask=mask, other=0.0)
         k = tl.load(k_ptr + tile, mask=mask, other=0.0)
         v = tl.load(v_ptr + tile, mask=mask, other=0.0)
