@@ -9,6 +9,7 @@ the block table, printed first).
 import argparse
 import itertools
 import math
+from functools import partial
 
 import torch
 
@@ -16,6 +17,28 @@ from blockattn.bench.harness import copy_bandwidth_tbps, floor_bytes, make_case,
 from blockattn.bench.presets import PRESETS
 from blockattn.layout import block_table
 from blockattn.ops import block_attention as impl
+
+
+def tune(w, tbps: float, rep_ms: int) -> None:
+    case = make_case(w, w.offsets(0, "cuda"), 0)
+    n = case.q.shape[0]
+    floors = {p: b / (tbps * 1e12) * 1e3 for p, b in floor_bytes(w, n).items()}
+    bs, scale = w.block_size, 1 / math.sqrt(w.head_dim)
+    table_ms = time_ms(lambda: block_table(case.offsets, n, bs), rep_ms)
+    print(f"{w.name}: N={n} floor fwd {floors['fwd']:.3f} ms, bwd {floors['bwd']:.3f} ms; "
+          f"block table alone {table_ms * 1e3:.1f} us")
+    for warps, cap in itertools.product((4, 8), (None, 168, 128)):
+        ms = time_ms(partial(impl.block_attention_fwd_triton, case.q, case.k, case.v, case.offsets, *case.table, bs,
+                             scale, num_warps=warps, maxnreg=cap), rep_ms)
+        print(f"  fwd warps={warps} maxnreg={cap}: {ms:.3f} ms = {ms / floors['fwd']:.3f} x floor")
+    chunks = impl.kernel_config(bs, w.head_dim, backward=True)["NUM_CHUNKS"]
+    # slices None: the default kernel choice (persistent where kernel_config pipelines); a number: one block
+    # per program with that many head-dim slices each.
+    for warps, cap, slices in itertools.product((4, 8), (None, 168, 128), [None, *sorted({1, chunks})]):
+        ms = time_ms(partial(impl.block_attention_bwd_triton, case.do, case.q, case.k, case.v, case.offsets,
+                             *case.table, bs, scale, num_warps=warps, maxnreg=cap, slices_per_program=slices), rep_ms)
+        print(f"  bwd warps={warps} maxnreg={cap} slices/program={slices}: {ms:.3f} ms = "
+              f"{ms / floors['bwd']:.3f} x floor")
 
 
 def main():
@@ -26,29 +49,7 @@ def main():
     tbps = copy_bandwidth_tbps(args.rep_ms)
     print(f"copy bandwidth {tbps:.2f} TB/s")
     for name in args.preset:
-        w = PRESETS[name]
-        case = make_case(w, w.offsets(0, "cuda"), 0)
-        n = case.q.shape[0]
-        floors = {p: b / (tbps * 1e12) * 1e3 for p, b in floor_bytes(w, n).items()}
-        bs, scale = w.block_size, 1 / math.sqrt(w.head_dim)
-        table_ms = time_ms(lambda: block_table(case.offsets, n, bs), args.rep_ms)
-        print(f"{name}: N={n} floor fwd {floors['fwd']:.3f} ms, bwd {floors['bwd']:.3f} ms; "
-              f"block table alone {table_ms * 1e3:.1f} us")
-        for warps, cap in itertools.product((4, 8), (None, 168, 128)):
-            ms = time_ms(lambda: impl.block_attention_fwd_triton(
-                case.q, case.k, case.v, case.offsets, *case.table, bs, scale, num_warps=warps, maxnreg=cap),
-                args.rep_ms)
-            print(f"  fwd warps={warps} maxnreg={cap}: {ms:.3f} ms = {ms / floors['fwd']:.3f} x floor")
-        chunks = impl.kernel_config(bs, w.head_dim, backward=True)["NUM_CHUNKS"]
-        # slices None: the default kernel choice (persistent where kernel_config pipelines); a number: one block
-        # per program with that many head-dim slices each.
-        for warps, cap, slices in itertools.product((4, 8), (None, 168, 128), [None, *sorted({1, chunks})]):
-            ms = time_ms(lambda: impl.block_attention_bwd_triton(
-                case.do, case.q, case.k, case.v, case.offsets, *case.table, bs, scale, num_warps=warps,
-                maxnreg=cap, slices_per_program=slices), args.rep_ms)
-            print(f"  bwd warps={warps} maxnreg={cap} slices/program={slices}: {ms:.3f} ms = "
-                  f"{ms / floors['bwd']:.3f} x floor")
-        del case
+        tune(PRESETS[name], tbps, args.rep_ms)
         torch.cuda.empty_cache()
 
 

@@ -32,6 +32,7 @@ CASES = [
     ("offsets decrease", lambda q, k, v, o: (q, k, v, torch.tensor([0, 7, 3, 10])), {}, ValueError,
      "non-decreasing"),
     ("offsets end", lambda q, k, v, o: (q, k, v, torch.tensor([0, 4, 9])), {}, ValueError, "offsets\\[-1\\]"),
+    ("no sequence, N > 0", lambda q, k, v, o: (q, k, v, o[:1]), {}, ValueError, "no sequence \\(B = 0\\)"),
     ("block size", lambda *a: a, {"block_size": 48}, ValueError, "block_size must be one of"),
     ("block size bool", lambda *a: a, {"block_size": True}, ValueError, "block_size must be one of"),
     ("scale", lambda *a: a, {"scale": -1.0}, ValueError, "scale must be a positive"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -107,6 +108,9 @@ def bench(args: argparse.Namespace) -> int:
     workloads = workloads_from_args(args)
     if not torch.cuda.is_available():
         return cpu_demo()
+    missing = [m for m in ("rich", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"blockattn bench needs {' and '.join(missing)}: pip install 'blockattn[bench]'")
     from rich.console import Console
     from rich.progress import Progress
 
@@ -128,8 +132,6 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def info() -> int:
-    import importlib.util
-
     import triton
 
     from . import __version__

@@ -10,19 +10,26 @@ from . import custom_ops
 from .layout import validate
 
 
+def _same_structure(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same offsets: the same tensor, or equal values where comparing them is free (CPU); on a GPU comparing values
+    would stall the host, so there only the shape is compared."""
+    if a is b:
+        return True
+    if a.shape != b.shape or a.device != b.device:
+        return False
+    return a.device.type != "cpu" or torch.equal(a, b)
+
+
 def _unpack_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """``torch.jagged`` nested tensors ``[B, j, H, D]`` -> their ``[N, H, D]`` values and shared offsets."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_nested or t.layout != torch.jagged:
+        if not isinstance(t, torch.Tensor) or not t.is_nested or t.layout != torch.jagged:
             raise TypeError(f"{name} must be a nested tensor with layout=torch.jagged when q is one")
         if t.dim() != 4 or t._ragged_idx != 1:
             raise ValueError(f"{name} must be a jagged nested tensor of shape [B, j, H, D], got {t.shape}")
     offsets = q.offsets()
     for name, t in (("k", k), ("v", v)):
-        if t.offsets() is not offsets and not (
-            t.offsets().shape == offsets.shape and t.offsets().device == offsets.device
-            and (offsets.device.type != "cpu" or torch.equal(t.offsets(), offsets))
-        ):
+        if not _same_structure(t.offsets(), offsets):
             raise ValueError(f"{name} must have the same jagged structure (offsets) as q")
     return q.values(), k.values(), v.values(), offsets
 

@@ -136,6 +136,9 @@ def validate(
             f"offsets {offsets.device}"
         )
     n, hq, d = q.shape
+    if offsets.numel() == 1 and n != 0:
+        # Decidable from shapes alone, and the kernels need at least one sequence to look blocks up in.
+        raise ValueError(f"offsets describes no sequence (B = 0) but q has N = {n} tokens; expected offsets[-1] == N")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {_name(k)} and v {_name(v)}")
     if k.shape[0] != n:
