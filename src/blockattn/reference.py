@@ -41,11 +41,3 @@ def block_attention_reference(
         return q.new_zeros(0, hq, d)
     return torch.cat(pieces, dim=0)
 
-
-def apply_rotary_reference(x: torch.Tensor, sinu_pos: torch.Tensor) -> torch.Tensor:
-    """Interleaved-pair rotation of SPEC §2: ``x [N, H, D]``, ``sinu_pos [N, D]`` = ``[sin | cos]``."""
-    half = x.shape[-1] // 2
-    sin = sinu_pos[:, None, :half].to(x.dtype)
-    cos = sinu_pos[:, None, half:].to(x.dtype)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
