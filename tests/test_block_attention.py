@@ -51,7 +51,7 @@ def test_block_scan_kernel(lengths, valid, block_size):
     offsets = make_offsets(lengths, KERNEL_DEVICE)
     n = int(offsets[-1])
     block_cum = torch.empty(len(lengths), dtype=torch.int32, device=KERNEL_DEVICE)
-    ok = torch.empty((), dtype=torch.int8, device=KERNEL_DEVICE)
+    ok = torch.empty((), dtype=torch.bool, device=KERNEL_DEVICE)
     _block_scan_kernel[(1,)](offsets, block_cum, ok, len(lengths), n, BLOCK_SIZE=block_size, CHUNK=1024)
     assert bool(ok) == valid
     if valid:

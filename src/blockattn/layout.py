@@ -38,7 +38,7 @@ def _block_scan_kernel(offsets_ptr, block_cum_ptr, ok_ptr, num_seqs, num_tokens,
         nblocks = tl.where(in_range, (length + BLOCK_SIZE - 1) // BLOCK_SIZE, 0)
         tl.store(block_cum_ptr + idx, tl.cumsum(nblocks, axis=0) + carry, mask=in_range)
         carry += tl.sum(nblocks, axis=0)
-    tl.store(ok_ptr, ok.to(tl.int8))
+    tl.store(ok_ptr, ok)
 
 
 def _check_offsets_on_host(offsets: torch.Tensor, num_tokens: int) -> None:
@@ -70,9 +70,9 @@ def block_table(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tupl
         block_cum = torch.cumsum(nblocks, 0, dtype=torch.int32)
     else:
         block_cum = torch.empty(num_seqs, dtype=torch.int32, device=offsets.device)
-        ok = torch.empty((), dtype=torch.int8, device=offsets.device)
+        ok = torch.empty((), dtype=torch.bool, device=offsets.device)
         _block_scan_kernel[(1,)](offsets, block_cum, ok, num_seqs, num_tokens, BLOCK_SIZE=block_size, CHUNK=1024)
-        torch._assert_async(ok.bool(), "blockattn: offsets must start at 0, be non-decreasing and end at N")
+        torch._assert_async(ok, "blockattn: offsets must start at 0, be non-decreasing and end at N")
     slots = torch.arange(max_blocks(num_tokens, num_seqs, block_size), device=offsets.device, dtype=torch.int32)
     block_seq = torch.searchsorted(block_cum, slots, right=True, out_int32=True)
     return block_cum, block_seq

@@ -274,7 +274,7 @@ def _block_attention_bwd_persistent_kernel(
         row_ok = offs < length
         mask = _tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
         tile = _tile_ptrs((item % NUM_HEADS) * stride_h, start + offs, 0, stride_n, stride_d, CHUNK)
-        # All four tiles before the products: 1.17x the floor on `ads` against 1.22x interleaved with them.
+        # All four tiles before the products (before the shared offsets: 1.17x the floor on `ads`, 1.22x interleaved).
         q = tl.load(q_ptr + tile, mask=mask, other=0.0)
         k = tl.load(k_ptr + tile, mask=mask, other=0.0)
         v = tl.load(v_ptr + tile, mask=mask, other=0.0)
