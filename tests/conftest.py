@@ -8,12 +8,14 @@ if not torch.cuda.is_available():
     # Must be set before triton.jit decorates the kernels, i.e. before blockattn is imported.
     os.environ["TRITON_INTERPRET"] = "1"
 
-import math  # noqa: E402
+import math
 
-import pytest  # noqa: E402
+import pytest
 
-from blockattn.ops import block_attention as impl  # noqa: E402
-from blockattn.reference import block_attention_reference  # noqa: E402
+from blockattn.layout import ROTATE_BITS
+from blockattn.ops import block_attention as impl
+from blockattn.ops import rotary as rotary_impl
+from blockattn.reference import block_attention_reference, rotary_reference
 
 HAS_GPU = torch.cuda.is_available()
 KERNEL_DEVICE = "cuda" if HAS_GPU else "cpu"
@@ -43,10 +45,25 @@ def random_inputs(lengths, hq, hkv, d, dtype, device, offsets_dtype=torch.int32)
     return q, k, v, do, offsets
 
 
-def reference_grads(q, k, v, do, offsets, block_size, compute_dtype=torch.float64):
-    """Reference output and (dq, dk, dv), all in ``compute_dtype``."""
+def random_angles(num_tokens, head_dim, dtype=torch.float32, device="cpu"):
+    """``sinu_pos = [sin | cos]`` of random angles, ``[N, D]``."""
+    theta = torch.rand(num_tokens, head_dim // 2, device=device) * 2 * math.pi
+    return torch.cat([theta.sin(), theta.cos()], dim=1).to(dtype)
+
+
+def rotated_reference(leaves, sinu_pos, rotate, compute_dtype):
+    """q, k, v turned by the reference rotary where ``rotate`` (a ROTATE_BITS mask) says, in ``compute_dtype``."""
+    if sinu_pos is None:
+        return leaves
+    return [rotary_reference(t, sinu_pos, compute_dtype=compute_dtype) if rotate & ROTATE_BITS[name] else t
+            for name, t in zip("qkv", leaves)]
+
+
+def reference_grads(q, k, v, do, offsets, block_size, compute_dtype=torch.float64, sinu_pos=None, rotate=0):
+    """Reference output and (dq, dk, dv), all in ``compute_dtype``; with ``sinu_pos``, of rotary then attention."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-    out = block_attention_reference(*leaves, offsets, block_size=block_size, compute_dtype=compute_dtype)
+    out = block_attention_reference(*rotated_reference(leaves, sinu_pos, rotate, compute_dtype), offsets,
+                                    block_size=block_size, compute_dtype=compute_dtype)
     grads = torch.autograd.grad(out, leaves, do.to(compute_dtype)) if out.numel() else [t * 0 for t in leaves]
     return [out.detach(), *grads]
 
@@ -60,10 +77,12 @@ def snr_db(out, ref) -> float:
     return 10 * math.log10(ref.double().pow(2).sum().item() / max(noise, 1e-300))
 
 
-def assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, names=("out", "dq", "dk", "dv")):
+def assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, names=("out", "dq", "dk", "dv"),
+                             sinu_pos=None, rotate=0):
     """SPEC §5: each result's max error vs float64 is at most 2x PyTorch's own in the inputs' precision."""
-    exact = reference_grads(q, k, v, do, offsets, block_size)
-    same_precision = reference_grads(q, k, v, do, offsets, block_size, compute_dtype=q.dtype)
+    exact = reference_grads(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=rotate)
+    same_precision = reference_grads(q, k, v, do, offsets, block_size, compute_dtype=q.dtype, sinu_pos=sinu_pos,
+                                     rotate=rotate)
     for name, got, ref, pt in zip(names, results, exact, same_precision):
         assert got.shape == ref.shape, name
         assert torch.isfinite(got).all(), f"{name}: non-finite values (unwritten or NaN)"
@@ -79,3 +98,4 @@ def poisoned_outputs(monkeypatch):
         return torch.full_like(like, float("nan"))
 
     monkeypatch.setattr(impl, "new_output", new_output)
+    monkeypatch.setattr(rotary_impl, "new_output", new_output)

@@ -8,12 +8,16 @@ import types
 
 import pytest
 import torch
-from conftest import HAS_GPU, make_offsets, requires_gpu, snr_db
+from conftest import HAS_GPU, make_offsets, random_angles, requires_gpu, snr_db
 
 from blockattn.__main__ import build_parser, main, workloads_from_args
 from blockattn.bench import harness
 from blockattn.bench.baselines import (
     BASELINES,
+    QKV_IMPLS,
+    QKV_REFERENCE,
+    ROTARY_IMPLS,
+    ROTARY_REFERENCE,
     Case,
     Unavailable,
     blockattn_runner,
@@ -21,8 +25,8 @@ from blockattn.bench.baselines import (
     heads_first,
     padded_sdpa_runner,
 )
-from blockattn.reference import block_attention_reference
 from blockattn.bench.presets import PRESETS, lengths_for_sparsity
+from blockattn.reference import block_attention_reference
 
 
 def parse(*argv):
@@ -86,7 +90,33 @@ def small_case(dtype=torch.float32, device="cpu"):
     n = sum(lengths)
     q, do = (torch.randn(n, 4, 32, dtype=dtype, device=device) for _ in range(2))
     k, v = (torch.randn(n, 2, 32, dtype=dtype, device=device) for _ in range(2))
-    return Case(q, k, v, do, offsets, 64, 1 / math.sqrt(32))
+    projection = (torch.randn(n, 16, dtype=dtype), torch.randn(16, 8 * 32, dtype=dtype), torch.randn(8 * 32, dtype=dtype))
+    return Case(q, k, v, do, offsets, 64, 1 / math.sqrt(32), random_angles(n, 32, dtype), projection)
+
+
+@pytest.mark.parametrize("impls,reference", [(ROTARY_IMPLS, ROTARY_REFERENCE), (QKV_IMPLS, QKV_REFERENCE)],
+                         ids=["rotary", "qkv"])
+def test_rotary_and_projection_impls_agree(impls, reference):
+    """The fused paths and their unfused counterparts compute the same thing (FA2 needs a GPU)."""
+    case = small_case()
+    assert reference in impls
+    results = []
+    for name, factory in impls.items():
+        try:
+            results.append(factory(case).check())
+        except Unavailable:
+            assert "FA2" in name  # CPU tensors: no FlashAttention
+    assert len(results) >= 2
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            assert snr_db(got, want) > 100
+
+
+def test_rotary_floor_adds_sinu_pos():
+    w, n = PRESETS["ads-rotary"], 1000
+    plain, rotary = harness.floor_bytes(w, n), harness.floor_bytes(w, n, rotary=True)
+    for p in ("fwd", "bwd"):
+        assert rotary[p] - plain[p] == n * w.head_dim * 2
 
 
 def test_padded_sdpa_is_exact():
@@ -170,8 +200,9 @@ def test_optional_package_adapters(name, monkeypatch):
 def fake_report():
     report = harness.Report({"device": "test device", "date": "2026-01-01T00:00:00+00:00"}, 1.0)
     for impl, ms in (("blockattn", 1.0), ("FA2 varlen (aten)", 2.0)):
-        report.results.append({"workload": "ads", "pass": "fwd", "impl": impl, "ms": ms, "floor_ms": 1.0,
-                               "x_floor": ms, "floor_tbps": 1.0 / ms, "extra_ms": {}, "speedup_vs_fa2": 2.0 / ms})
+        report.results.append({"workload": "ads", "group": "attention", "pass": "fwd", "impl": impl, "ms": ms,
+                               "floor_ms": 1.0, "x_floor": ms, "floor_tbps": 1.0 / ms, "extra_ms": {},
+                               "speedup_vs_fa2": 2.0 / ms, "reference": "FA2 varlen (aten)"})
     report.skipped.append({"workload": "ads", "impl": "xformers", "reason": "not installed"})
     return report
 
@@ -200,11 +231,14 @@ def test_info(capsys):
 @requires_gpu
 def test_small_gpu_run(tmp_path):
     code = main(["bench", "--seqs", "32", "--max-len", "400", "--heads", "2", "--head-dim", "64", "--rep-ms", "20",
-                 "--out", str(tmp_path)])
+                 "--rotary", "--out", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "bench.json").read_text())
     ours = [r for r in data["results"] if r["impl"] == "blockattn"]
     assert {r["pass"] for r in ours} == {"fwd", "bwd", "fwdbwd"}
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in ours)
+    timed = {(r["group"], r["impl"]) for r in data["results"]}
+    assert {("rotary", "blockattn fused rotary"), ("rotary", ROTARY_REFERENCE), ("qkv", QKV_REFERENCE),
+            ("qkv", "blockattn qkv_block_attention")} <= timed
     assert any(a["impl"] == "blockattn" and a["snr_dq_db"] > 45 for a in data["accuracy"])
     assert (tmp_path / "bench.png").exists()

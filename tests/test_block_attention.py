@@ -89,8 +89,8 @@ def test_kernels_split_head_dim(poisoned_outputs):
 
 @pytest.mark.parametrize("grad_layout", ["same", "transposed"])
 def test_kernels_persistent_backward(grad_layout, poisoned_outputs):
-    """64-token blocks at D = 128 without GQA: the backward loops over many blocks per program, pipelined, when all
-    tensors share one layout; a grad_out with its own strides takes the one-block-per-program kernel instead."""
+    """64-token blocks at D = 128 without GQA: the backward loops over many blocks per program, pipelined, when the
+    inputs and gradients share one layout; a grad_out with its own strides gets its own tile of offsets."""
     assert impl.kernel_config(64, 128, backward=True)["PIPELINE_STAGES"] > 1
     q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 7, 129], 2, 2, 128, torch.float16, KERNEL_DEVICE)
     if grad_layout == "transposed":
@@ -178,9 +178,10 @@ def test_fake_tensor_propagation():
         k = torch.empty(100, 2, 64, dtype=torch.bfloat16)
         offsets = torch.zeros(3, dtype=torch.int32)
         out = blockattn.block_attention(q, k, k, offsets)
-        _, block_cum, block_seq = torch.ops.blockattn.block_attention_fwd(q, k, k, offsets, 64, 0.125)
+        _, block_cum, block_seq = torch.ops.blockattn.block_attention_fwd(q, k, k, offsets, None, 64, 0.125, 0)
         assert block_cum.shape == (2,) and block_seq.shape == ((100 + 2 * 63) // 64,)
-        dq, dk, dv = torch.ops.blockattn.block_attention_bwd(out, q, k, k, offsets, block_cum, block_seq, 64, 0.125)
+        dq, dk, dv = torch.ops.blockattn.block_attention_bwd(out, q, k, k, offsets, None, block_cum, block_seq, 64,
+                                                             0.125, 0)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
@@ -189,9 +190,9 @@ def test_opcheck_custom_ops():
     """torch.library.opcheck: fake vs real metadata, autograd registration, schema."""
     q, k, v, do, offsets = random_inputs([30, 3], 4, 2, 16, torch.float32, "cpu")
     table = block_table(offsets, q.shape[0], 16)
-    torch.library.opcheck(torch.ops.blockattn.block_attention_bwd.default, (do, q, k, v, offsets, *table, 16, 0.25))
+    torch.library.opcheck(torch.ops.blockattn.block_attention_bwd.default, (do, q, k, v, offsets, None, *table, 16, 0.25, 0))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(torch.ops.blockattn.block_attention_fwd.default, (q, k, v, offsets, 16, 0.25))
+    torch.library.opcheck(torch.ops.blockattn.block_attention_fwd.default, (q, k, v, offsets, None, 16, 0.25, 0))
 
 
 def test_compile_fullgraph_cpu():

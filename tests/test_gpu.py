@@ -11,6 +11,7 @@ from conftest import (
     make_offsets,
     max_err,
     odd_lengths,
+    random_angles,
     random_inputs,
     reference_grads,
     requires_gpu,
@@ -22,9 +23,9 @@ import blockattn
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
 
-def public_op(q, k, v, do, offsets, block_size):
+def public_op(q, k, v, do, offsets, block_size, **rotary):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = blockattn.block_attention(*leaves, offsets, block_size=block_size)
+    out = blockattn.block_attention(*leaves, offsets, block_size=block_size, **rotary)
     out.backward(do)
     return [out.detach(), *(t.grad for t in leaves)]
 
@@ -162,3 +163,105 @@ def test_bad_offsets_trip_device_assert():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "device-side assert" in result.stderr or "offsets must start at 0" in result.stderr
+
+
+# --- rotary: apply_rotary, fused into the kernels, and the packed projection ----------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
+@pytest.mark.parametrize("rotate", [("q", "k", "v"), ("q", "k")], ids=["qkv", "qk"])
+def test_fused_rotary_accuracy_contract(rotate, dtype, block_size, head_dim, poisoned_outputs):
+    """SPEC §5 for rotary + attention: 2x PyTorch's same-precision error (rotary then attention), bf16 SNR."""
+    q, k, v, do, offsets = random_inputs(random_lengths(6, 300, block_size), 3, 3, head_dim, dtype, "cuda")
+    sinu_pos = random_angles(q.shape[0], head_dim, dtype, "cuda")
+    mask = sum({"q": 1, "k": 2, "v": 4}[name] for name in rotate)
+    results = public_op(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=rotate)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=mask)
+    exact = reference_grads(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=mask)
+    for name, got, ref, floor in zip(("out", "dq", "dk", "dv"), results, exact, (40, 45, 45, 45)):
+        assert snr_db(got, ref) > floor, f"{name}: SNR {snr_db(got, ref):.1f} dB"
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (4, 2)])
+def test_fused_rotary_gqa(heads):
+    q, k, v, do, offsets = random_inputs(random_lengths(5, 300, 64), *heads, 128, torch.bfloat16, "cuda")
+    sinu_pos = random_angles(q.shape[0], 128, torch.float32, "cuda")  # fp32 angles with bf16 tensors
+    results = public_op(q, k, v, do, offsets, 64, sinu_pos=sinu_pos)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=7)
+
+
+def test_fused_rotary_backward_is_bitwise_deterministic():
+    q, k, v, do, offsets = random_inputs(random_lengths(32, 500, 64), 3, 3, 128, torch.bfloat16, "cuda")
+    sinu_pos = random_angles(q.shape[0], 128, torch.bfloat16, "cuda")
+    first = public_op(q, k, v, do, offsets, 64, sinu_pos=sinu_pos)
+    for _ in range(2):
+        for a, b in zip(first, public_op(q, k, v, do, offsets, 64, sinu_pos=sinu_pos)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_apply_rotary_on_gpu(dtype, poisoned_outputs):
+    from blockattn.reference import rotary_reference
+
+    x = torch.randn(1000, 3, 128, dtype=dtype, device="cuda", requires_grad=True)
+    sinu_pos = random_angles(1000, 128, torch.float32, "cuda")
+    y = blockattn.apply_rotary(x, sinu_pos)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    for got, ref, low in ((y, rotary_reference(x.detach(), sinu_pos),
+                           rotary_reference(x.detach(), sinu_pos, compute_dtype=dtype)),
+                          (x.grad, rotary_reference(grad, sinu_pos, inverse=True),
+                           rotary_reference(grad, sinu_pos, inverse=True, compute_dtype=dtype))):
+        assert max_err(got, ref) <= max(max_err(low, ref), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,head_dim,rotate", [((3, 3), 128, 7), ((4, 1), 64, 3), ((2, 2), 40, 0)],
+                         ids=["ads-rotary-shape", "gqa-qk", "d40-plain"])
+def test_qkv_block_attention_on_gpu(dtype, heads, head_dim, rotate):
+    from test_rotary import check_qkv_block_attention
+
+    check_qkv_block_attention("cuda", dtype, *heads, rotate, d=head_dim, d_model=96)
+
+
+def test_qkv_block_attention_compiles_and_captures():
+    """torch.compile(fullgraph=True) without a graph break, and a CUDA graph of forward + backward."""
+    lengths = random_lengths(8, 300, 64)
+    offsets = make_offsets(lengths, "cuda")
+    n = int(offsets[-1])
+    x = torch.randn(n, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    w = (torch.randn(64, 9 * 64, dtype=torch.bfloat16, device="cuda") / 8).requires_grad_()
+    sinu_pos = random_angles(n, 64, torch.bfloat16, "cuda")
+
+    def layer(x, w):
+        out = blockattn.qkv_block_attention(x, w, offsets, num_heads=3, num_kv_heads=3, sinu_pos=sinu_pos)
+        return out.float().square().mean()
+
+    assert torch._dynamo.explain(layer)(x, w).graph_break_count == 0
+    torch.compile(layer, fullgraph=True)(x, w).backward()
+    compiled_grads = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    layer(x, w).backward()
+    for a, b in zip(compiled_grads, [x.grad, w.grad]):
+        torch.testing.assert_close(a, b)
+
+    def step():
+        x.grad = w.grad = None
+        loss = layer(x, w)
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(compiled_grads, [x.grad, w.grad]):
+        torch.testing.assert_close(a, b)

@@ -68,3 +68,94 @@ def test_nested_rejects_offsets_and_mixed_structure():
     other = torch.nested.nested_tensor_from_jagged(k, torch.tensor([0, 5, 10]))
     with pytest.raises(ValueError, match="same jagged structure"):
         blockattn.block_attention(nq, other, nv)
+
+
+ANGLES = torch.randn(10, 32)
+ROTARY_CASES = [
+    ("sinu_pos shape", {"sinu_pos": ANGLES[:, :16]}, ValueError, "sinu_pos must be \\[N, head_dim\\] = \\[10, 32\\]"),
+    ("sinu_pos rows", {"sinu_pos": ANGLES[:9]}, ValueError, "sinu_pos must be \\[N, head_dim\\]"),
+    ("sinu_pos int", {"sinu_pos": ANGLES.long()}, TypeError, "sinu_pos must be float16"),
+    ("sinu_pos list", {"sinu_pos": ANGLES.tolist()}, TypeError, "sinu_pos must be a torch.Tensor"),
+    ("sinu_pos device", {"sinu_pos": ANGLES.to("meta")}, ValueError, "sinu_pos must be on the device"),
+    ("sinu_pos grad", {"sinu_pos": ANGLES.clone().requires_grad_()}, ValueError, "sinu_pos requires grad"),
+    ("rotate str", {"sinu_pos": ANGLES, "rotate": "qk"}, TypeError, "rotate must be a tuple of names"),
+    ("rotate name", {"sinu_pos": ANGLES, "rotate": ("q", "o")}, ValueError, "unknown \\['o'\\]"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,message", [c[1:] for c in ROTARY_CASES], ids=[c[0] for c in ROTARY_CASES])
+def test_rejects_bad_rotary_arguments(kwargs, error, message):
+    q, k, v, o = good()
+    with pytest.raises(error, match=message):
+        blockattn.block_attention(q, k, v, o, **kwargs)
+    x, w = torch.randn(10, 8), torch.randn(8, 8 * 32)
+    with pytest.raises(error, match=message):
+        blockattn.qkv_block_attention(x, w, o, num_heads=4, num_kv_heads=2, **kwargs)
+    if "sinu_pos" in kwargs and "rotate" not in kwargs:
+        with pytest.raises(error, match=message):
+            blockattn.apply_rotary(q, kwargs["sinu_pos"])
+
+
+APPLY_ROTARY_CASES = [
+    ("x 2-D", torch.randn(10, 32), ANGLES, ValueError, "x must be 3-D"),
+    ("x int", torch.ones(10, 2, 32, dtype=torch.long), ANGLES, TypeError, "x must be float16"),
+    ("odd head dim", torch.randn(10, 2, 7), torch.randn(10, 7), ValueError, "head_dim must be even"),
+    ("head dim 1024", torch.randn(10, 1, 1024), torch.randn(10, 1024), ValueError, "in \\[2, 512\\]"),
+]
+
+
+@pytest.mark.parametrize("x,sinu_pos,error,message", [c[1:] for c in APPLY_ROTARY_CASES],
+                         ids=[c[0] for c in APPLY_ROTARY_CASES])
+def test_apply_rotary_rejects_bad_input(x, sinu_pos, error, message):
+    with pytest.raises(error, match=message):
+        blockattn.apply_rotary(x, sinu_pos)
+
+
+def projection(d_model=8, hq=4, hkv=2, d=32):
+    return torch.randn(10, d_model), torch.randn(d_model, (hq + 2 * hkv) * d), torch.randn((hq + 2 * hkv) * d)
+
+
+PROJECTION_CASES = [
+    ("x 3-D", lambda x, w, b: (x[None], w, b), {}, ValueError, "x must be 2-D"),
+    ("x int", lambda x, w, b: (x.long(), w, b), {}, TypeError, "x must be float16"),
+    ("w rows", lambda x, w, b: (x, w[:7], b), {}, ValueError, "w must be \\[d_model, \\(num_heads"),
+    ("w columns", lambda x, w, b: (x, w[:, :100], b), {}, ValueError, "w must be \\[d_model"),
+    ("w dtype", lambda x, w, b: (x, w.double(), b), {}, TypeError, "w must have the dtype of x"),
+    ("bias shape", lambda x, w, b: (x, w, b[:-1]), {}, ValueError, "bias must be 1-D \\[256\\]"),
+    ("bias dtype", lambda x, w, b: (x, w, b.half()), {}, TypeError, "bias must have the dtype of x"),
+    ("bias list", lambda x, w, b: (x, w, b.tolist()), {}, TypeError, "bias must be a torch.Tensor"),
+    ("heads float", lambda *a: a, {"num_heads": 4.0}, ValueError, "num_heads must be a positive int"),
+    ("kv heads 0", lambda *a: a, {"num_kv_heads": 0}, ValueError, "num_kv_heads must be a positive int"),
+    ("GQA", lambda *a: a, {"num_heads": 3, "num_kv_heads": 2}, ValueError, "w must be|multiple of k/v heads"),
+    ("block size", lambda *a: a, {"block_size": 48}, ValueError, "block_size must be one of"),
+]
+
+
+@pytest.mark.parametrize("make,kwargs,error,message", [c[1:] for c in PROJECTION_CASES],
+                         ids=[c[0] for c in PROJECTION_CASES])
+def test_qkv_block_attention_rejects_bad_input(make, kwargs, error, message):
+    x, w, bias = make(*projection())
+    heads = {"num_heads": 4, "num_kv_heads": 2, **kwargs}
+    with pytest.raises(error, match=message):
+        blockattn.qkv_block_attention(x, w, make_offsets([4, 6]), bias=bias, **heads)
+
+
+def test_qkv_block_attention_checks_heads_before_the_projection():
+    """Head-dim and offsets errors come from shapes, before the projection's matmul runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x, w, bias = projection(hq=3, hkv=3, d=12)  # 9 heads of 12 columns: head_dim 12 is refused
+    for offsets, message in ((make_offsets([4, 6]), "head_dim must be a multiple of 8"),
+                             (make_offsets([4, 6]).float(), "offsets must be int32")):
+        with RecordOps() as recorded, pytest.raises((TypeError, ValueError), match=message):
+            blockattn.qkv_block_attention(x, w, offsets, num_heads=3, num_kv_heads=3)
+        assert not {torch.ops.aten.mm.default, torch.ops.aten.addmm.default} & set(recorded.ops)

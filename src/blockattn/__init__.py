@@ -1,7 +1,8 @@
 """blockattn: block-diagonal attention on jagged sequences, as GPU kernels (Triton) with a PyTorch CPU path."""
 
 from . import reference
-from .attention import block_attention
+from .attention import block_attention, qkv_block_attention
+from .rotary import apply_rotary
 
-__all__ = ["block_attention", "reference"]
+__all__ = ["apply_rotary", "block_attention", "qkv_block_attention", "reference"]
 __version__ = "0.1.0"

@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv-heads", type=int, help="custom workload: key/value heads (default: --heads)")
     bench.add_argument("--head-dim", type=int, help="custom workload: head dim")
     bench.add_argument("--block-size", type=int, help="custom workload: block size (default 64)")
+    bench.add_argument("--rotary", action="store_true",
+                       help="also time fused rotary and projection (always on for the ads-rotary preset)")
     bench.add_argument("--baselines", nargs="*", default=None,
                        help="names of baselines to run (default: all); see `blockattn info`")
     bench.add_argument("--rep-ms", type=int, default=300, help="time spent repeating each measurement")
@@ -51,6 +53,8 @@ def workloads_from_args(args: argparse.Namespace) -> list[Workload]:
                                  args.head_dim, args.block_size or 64))
     if args.dtype:
         selected = [Workload(**{**w.to_dict(), "dtype": args.dtype}) for w in selected]
+    if args.rotary:
+        selected = [Workload(**{**w.to_dict(), "rotary": True}) for w in selected]
     return selected
 
 
@@ -80,17 +84,24 @@ def print_report(report, console) -> None:
                   f"{env['sm_count']} SMs), torch {env['torch']}, triton {env['triton']}, {env['date']}")
     console.print(f"copy bandwidth: {report.copy_tbps:.2f} TB/s (device-to-device, read + write)")
     table = Table(title="time per call (median)")
-    for col in ("workload", "pass", "implementation", "ms", "floor ms", "x floor", "TB/s at floor bytes",
-                "speedup vs FA2", "reported apart (ms)"):
-        table.add_column(col, justify="left" if col in ("workload", "pass", "implementation") else "right")
+    for col in ("workload", "group", "pass", "implementation", "ms", "floor ms", "x floor", "TB/s at floor bytes",
+                "speedup vs FA2 path", "reported apart (ms)"):
+        table.add_column(col, justify="left" if col in ("workload", "group", "pass", "implementation") else "right")
+
+    def number(value, digits):
+        return "-" if value is None else f"{value:.{digits}f}"
+
     for r in report.results:
         speedup = r.get("speedup_vs_fa2")
-        table.add_row(r["workload"], r["pass"], r["impl"], f"{r['ms']:.3f}", f"{r['floor_ms']:.3f}",
-                      f"{r['x_floor']:.2f}", f"{r['floor_tbps']:.2f}", f"{speedup:.2f}x" if speedup else "-",
+        table.add_row(r["workload"], r["group"], r["pass"], r["impl"], f"{r['ms']:.3f}", number(r["floor_ms"], 3),
+                      number(r["x_floor"], 2), number(r["floor_tbps"], 2), f"{speedup:.2f}x" if speedup else "-",
                       ", ".join(f"{k}: {v:.3f}" for k, v in r["extra_ms"].items()))
     console.print(table)
+    console.print("Groups: attention (speedups vs FA2 varlen); rotary: q, k, v rotated then attention, floor with "
+                  "sinu_pos (vs FA2 + PyTorch rotary); qkv: x @ w + bias, rotary, attention, forward and backward to "
+                  "dx, dw, dbias (vs matmul + PyTorch rotary + FA2; no floor).")
     for s in report.skipped:
-        console.print(f"skipped {s['impl']} on {s['workload']}: {s['reason']}")
+        console.print(f"skipped {s['impl']} on {s['workload']} ({s.get('group', 'attention')}): {s['reason']}")
     acc = Table(title="accuracy against float64 (first sequences of each workload)")
     for col in ("workload", "implementation", "tokens", "max |out|", "max |dq|", "max |dk|", "max |dv|",
                 "mean |dq|", "SNR dq dB"):

@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import custom_ops
-from .layout import validate
+from .layout import GPU_DTYPES, rotate_mask, validate, validate_sinu_pos
 
 
 def _same_structure(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -34,6 +34,19 @@ def _unpack_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return q.values(), k.values(), v.values(), offsets
 
 
+def _rotary_args(sinu_pos, rotate, q: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """Validated ``sinu_pos`` (as ``[N, D]``) and the ``rotate`` bit mask; nothing is rotated without angles."""
+    mask = rotate_mask(rotate)
+    if sinu_pos is None:
+        return None, 0
+    if isinstance(sinu_pos, torch.Tensor) and sinu_pos.is_nested:
+        if sinu_pos.layout != torch.jagged or not _same_structure(sinu_pos.offsets(), offsets):
+            raise ValueError("sinu_pos, when nested, must be a torch.jagged tensor [B, j, D] with the structure of q")
+        sinu_pos = sinu_pos.values()
+    validate_sinu_pos(sinu_pos, q, "q")
+    return sinu_pos, mask
+
+
 def block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -42,8 +55,10 @@ def block_attention(
     *,
     block_size: int = 64,
     scale: float | None = None,
+    sinu_pos: torch.Tensor | None = None,
+    rotate: tuple[str, ...] = ("q", "k", "v"),
 ) -> torch.Tensor:
-    """Block-diagonal attention on jagged sequences.
+    """Block-diagonal attention on jagged sequences, optionally with a fused rotary embedding.
 
     Every sequence ``b`` (rows ``offsets[b]:offsets[b+1]``) is cut into blocks of ``block_size`` tokens from its
     first token; each token attends, bidirectionally, to the tokens of its own block only:
@@ -58,11 +73,20 @@ def block_attention(
             of ``q``. Length-0 sequences are allowed.
         block_size: 16, 32, 64 or 128.
         scale: score scale, ``1 / sqrt(D)`` by default.
+        sinu_pos: rotary angles ``[N, D]`` (or nested ``[B, j, D]`` like ``q``) shared by all heads: columns
+            ``0 : D/2`` hold ``sin``, ``D/2 : D`` hold ``cos`` of the angle of pair ``i = (2i, 2i+1)`` (interleaved
+            pairs, see :func:`blockattn.apply_rotary`). When given, the operands named in ``rotate`` are rotated
+            inside the kernels as they are loaded: the result equals ``block_attention(apply_rotary(q, sinu_pos),
+            ...)`` but the rotated tensors never reach memory, and the gradients are those of the unrotated
+            inputs. ``sinu_pos`` is a constant: it gets no gradient (it must not require one).
+        rotate: which of ``"q"``, ``"k"``, ``"v"`` to rotate (all three by default, as in the workload this
+            comes from; standard RoPE is ``("q", "k")``). Ignored without ``sinu_pos``.
 
     ``D`` is a multiple of 8 in [16, 256]. On CUDA the Triton kernels run; fp16 and bf16 multiply in their own
-    precision with fp32 accumulation and an fp32 softmax; float32 inputs are computed in true fp32 (no TF32).
-    On the CPU a PyTorch implementation of the same semantics runs in fp32. Gradients flow to ``q``, ``k`` and
-    ``v``; the backward is deterministic.
+    precision with fp32 accumulation and an fp32 softmax; rotations are computed in fp32, the rotated operands
+    rounded to the inputs' dtype, and gradients turned back in fp32 before their one store. float32 inputs are
+    computed in true fp32 (no TF32). On the CPU a PyTorch implementation of the same semantics runs in fp32.
+    Gradients flow to ``q``, ``k`` and ``v``; the backward is deterministic.
 
     Validation: shapes, dtypes, devices and options raise ``TypeError``/``ValueError`` before any kernel runs.
     The values of ``offsets`` are checked with a ``ValueError`` on the CPU; on a GPU, reading them would stall the
@@ -78,9 +102,82 @@ def block_attention(
     elif offsets is None:
         raise TypeError("offsets is required when q, k, v are [N, H, D] tensors")
     validate(q, k, v, offsets, block_size, scale)
+    sinu_pos, rotate = _rotary_args(sinu_pos, rotate, q, offsets)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out = custom_ops.block_attention_fwd(q, k, v, offsets, block_size, scale)[0]
+    out = custom_ops.block_attention_fwd(q, k, v, offsets, sinu_pos, block_size, scale, rotate)[0]
     if nested:
         return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)
     return out
+
+
+def _validate_projection(x, w, bias, num_heads, num_kv_heads) -> None:
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be a positive int, got {count!r}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [N, d_model], got shape {tuple(x.shape)}")
+    if x.dtype not in GPU_DTYPES:
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    num_all = num_heads + 2 * num_kv_heads
+    if w.dim() != 2 or w.shape[0] != x.shape[1] or w.shape[1] % num_all != 0:
+        raise ValueError(f"w must be [d_model, (num_heads + 2 * num_kv_heads) * head_dim] = [{x.shape[1]}, "
+                         f"{num_all} * head_dim], got {tuple(w.shape)}")
+    tensors = [("w", w)] + ([] if bias is None else [("bias", bias)])
+    for name, t in tensors[1:]:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.shape != (w.shape[1],):
+            raise ValueError(f"bias must be 1-D [{w.shape[1]}] (one per projected column), got {tuple(t.shape)}")
+    for name, t in tensors:
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have the dtype of x ({x.dtype}), got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")
+
+
+def qkv_block_attention(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    sinu_pos: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    block_size: int = 64,
+    scale: float | None = None,
+    rotate: tuple[str, ...] = ("q", "k", "v"),
+) -> torch.Tensor:
+    """Projection, rotary and block attention: ``block_attention(q, k, v)`` with ``[q | k | v] = x @ w + bias``.
+
+    The projection runs as one matmul into a packed ``qkv`` buffer ``[N, (Hq + 2 Hkv) * D]`` (columns: the ``Hq``
+    query heads, then the ``Hkv`` key heads, then the ``Hkv`` value heads, each ``D`` wide); the attention
+    kernels read ``q``, ``k``, ``v`` straight out of it through strides, rotating them in registers when
+    ``sinu_pos`` is given. The backward writes ``dqkv`` in the same packed layout, in one buffer, from which
+    autograd forms ``dx = dqkv @ w.T``, ``dw = x.T @ dqkv`` and ``dbias = dqkv.sum(0)``.
+
+    Args:
+        x: ``[N, d_model]`` tokens of all sequences packed back to back.
+        w: ``[d_model, (num_heads + 2 * num_kv_heads) * D]``, the dtype and device of ``x``.
+        offsets, block_size, scale, sinu_pos, rotate: as for :func:`block_attention` (``sinu_pos`` is ``[N, D]``
+            and gets no gradient).
+        num_heads, num_kv_heads: ``Hq`` and ``Hkv`` (``Hq % Hkv == 0``).
+        bias: optional ``[(num_heads + 2 * num_kv_heads) * D]``.
+
+    Returns ``[N, num_heads, D]``. Gradients flow to ``x``, ``w`` and ``bias``.
+    """
+    _validate_projection(x, w, bias, num_heads, num_kv_heads)
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
+    # Check the attention arguments from shapes alone, before the projection runs: views of a zero-stride tensor.
+    shapes = custom_ops.split_heads(x.new_empty(()).expand(x.shape[0], w.shape[1]), num_heads, num_kv_heads)
+    validate(*shapes, offsets, block_size, scale)
+    sinu_pos, rotate = _rotary_args(sinu_pos, rotate, shapes[0], offsets)
+    scale = 1.0 / math.sqrt(shapes[0].shape[-1]) if scale is None else float(scale)
+    qkv = x @ w if bias is None else torch.addmm(bias, x, w)
+    return custom_ops.qkv_block_attention_fwd(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale,
+                                              rotate)[0]

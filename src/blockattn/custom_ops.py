@@ -1,8 +1,12 @@
 """``torch.library`` custom ops: device dispatch, fake (meta) implementations, autograd and FLOP formulas.
 
 The ops are opaque to ``torch.compile`` (one node each, no graph break) and their fake implementations give the
-output metadata without running anything. The forward also returns the block table it built, so that the
-backward reuses it instead of building it again.
+output metadata without running anything. The forwards also return the block table they built, so that the
+backwards reuse it instead of building it again.
+
+Three families: ``rotary`` (``apply_rotary``), ``block_attention_*`` on separate ``q, k, v`` and
+``qkv_block_attention_*`` on one packed ``[N, (Hq + 2 Hkv) * D]`` projection, whose backward writes the packed
+gradient in one buffer. ``rotate`` is a mask of ``layout.ROTATE_BITS``; ``sinu_pos`` gets no gradient.
 """
 
 from __future__ import annotations
@@ -12,64 +16,153 @@ from torch.utils.flop_counter import register_flop_formula
 
 from .layout import block_table, max_blocks
 from .ops import block_attention as impl
+from .ops import rotary as rotary_impl
+
+
+@torch.library.custom_op("blockattn::rotary", mutates_args=())
+def rotary(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool) -> torch.Tensor:
+    run = rotary_impl.rotary_triton if x.device.type == "cuda" else rotary_impl.rotary_torch
+    return run(x, sinu_pos, inverse)
+
+
+@rotary.register_fake
+def _(x, sinu_pos, inverse):
+    return torch.empty_like(x)
+
+
+def _rotary_setup_context(ctx, inputs, output):
+    _, sinu_pos, inverse = inputs
+    ctx.save_for_backward(sinu_pos)
+    ctx.inverse = inverse
+
+
+def _rotary_backward(ctx, grad):
+    (sinu_pos,) = ctx.saved_tensors
+    return rotary(grad, sinu_pos, not ctx.inverse), None, None  # a rotation's adjoint is the opposite rotation
+
+
+rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
+
+
+def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """Views ``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` of a packed ``[N, (Hq + 2 Hkv) * D]`` projection (no copy)."""
+    num_all = num_heads + 2 * num_kv_heads
+    heads = qkv.view(qkv.shape[0], num_all, qkv.shape[1] // num_all)
+    return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
+
+
+def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate):
+    block_cum, block_seq = block_table(offsets, q.shape[0], block_size)
+    run = impl.block_attention_fwd_triton if q.device.type == "cuda" else impl.block_attention_fwd_torch
+    return run(q, k, v, offsets, block_cum, block_seq, block_size, scale, sinu_pos, rotate), block_cum, block_seq
+
+
+def _backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate, grads=None):
+    run = impl.block_attention_bwd_triton if q.device.type == "cuda" else impl.block_attention_bwd_torch
+    return run(grad_out, q, k, v, offsets, block_cum, block_seq, block_size, scale, sinu_pos, rotate, grads=grads)
+
+
+def _fake_table(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_seqs = offsets.shape[0] - 1
+    return (offsets.new_empty(num_seqs, dtype=torch.int32),
+            offsets.new_empty(max_blocks(num_tokens, num_seqs, block_size), dtype=torch.int32))
 
 
 @torch.library.custom_op("blockattn::block_attention_fwd", mutates_args=())
 def block_attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block_size: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None,
+    block_size: int, scale: float, rotate: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``layout.block_table``)."""
-    block_cum, block_seq = block_table(offsets, q.shape[0], block_size)
-    run = impl.block_attention_fwd_triton if q.device.type == "cuda" else impl.block_attention_fwd_torch
-    return run(q, k, v, offsets, block_cum, block_seq, block_size, scale), block_cum, block_seq
+    return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate)
 
 
 @block_attention_fwd.register_fake
-def _(q, k, v, offsets, block_size, scale):
-    num_seqs = offsets.shape[0] - 1
-    return (
-        torch.empty_like(q),
-        offsets.new_empty(num_seqs, dtype=torch.int32),
-        offsets.new_empty(max_blocks(q.shape[0], num_seqs, block_size), dtype=torch.int32),
-    )
+def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate):
+    return torch.empty_like(q), *_fake_table(offsets, q.shape[0], block_size)
 
 
 @torch.library.custom_op("blockattn::block_attention_bwd", mutates_args=())
 def block_attention_bwd(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    block_cum: torch.Tensor,
-    block_seq: torch.Tensor,
-    block_size: int,
-    scale: float,
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+    sinu_pos: torch.Tensor | None, block_cum: torch.Tensor, block_seq: torch.Tensor, block_size: int, scale: float,
+    rotate: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    run = impl.block_attention_bwd_triton if q.device.type == "cuda" else impl.block_attention_bwd_torch
-    return run(grad_out, q, k, v, offsets, block_cum, block_seq, block_size, scale)
+    return _backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate)
 
 
 @block_attention_bwd.register_fake
-def _(grad_out, q, k, v, offsets, block_cum, block_seq, block_size, scale):
+def _(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, offsets, block_size, scale = inputs
+    q, k, v, offsets, sinu_pos, block_size, scale, rotate = inputs
     _, block_cum, block_seq = output
     ctx.mark_non_differentiable(block_cum, block_seq)
-    ctx.save_for_backward(q, k, v, offsets, block_cum, block_seq)
-    ctx.block_size, ctx.scale = block_size, scale
+    ctx.save_for_backward(q, k, v, offsets, sinu_pos, block_cum, block_seq)
+    ctx.block_size, ctx.scale, ctx.rotate = block_size, scale, rotate
 
 
-def _backward(ctx, grad_out, _grad_block_cum, _grad_block_seq):
-    q, k, v, offsets, block_cum, block_seq = ctx.saved_tensors
-    dq, dk, dv = block_attention_bwd(grad_out, q, k, v, offsets, block_cum, block_seq, ctx.block_size, ctx.scale)
-    return dq, dk, dv, None, None, None
+def _attention_backward(ctx, grad_out, _grad_block_cum, _grad_block_seq):
+    q, k, v, offsets, sinu_pos, block_cum, block_seq = ctx.saved_tensors
+    dq, dk, dv = block_attention_bwd(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, ctx.block_size,
+                                     ctx.scale, ctx.rotate)
+    return dq, dk, dv, None, None, None, None, None
 
 
-block_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+block_attention_fwd.register_autograd(_attention_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("blockattn::qkv_block_attention_fwd", mutates_args=())
+def qkv_block_attention_fwd(
+    qkv: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None, num_heads: int, num_kv_heads: int,
+    block_size: int, scale: float, rotate: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block attention on the heads of a packed projection, read in place through strides."""
+    return _forward(*split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_size, scale, rotate)
+
+
+@qkv_block_attention_fwd.register_fake
+def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate):
+    n = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    return qkv.new_empty(n, num_heads, head_dim), *_fake_table(offsets, n, block_size)
+
+
+@torch.library.custom_op("blockattn::qkv_block_attention_bwd", mutates_args=())
+def qkv_block_attention_bwd(
+    grad_out: torch.Tensor, qkv: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None,
+    block_cum: torch.Tensor, block_seq: torch.Tensor, num_heads: int, num_kv_heads: int, block_size: int,
+    scale: float, rotate: int,
+) -> torch.Tensor:
+    """``dqkv`` in the packed layout of ``qkv``: the kernel writes dq, dk, dv straight into views of one buffer."""
+    dqkv = impl.new_output(qkv)
+    _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_cum, block_seq,
+              block_size, scale, rotate, grads=split_heads(dqkv, num_heads, num_kv_heads))
+    return dqkv
+
+
+@qkv_block_attention_bwd.register_fake
+def _(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads, block_size, scale, rotate):
+    return torch.empty_like(qkv)
+
+
+def _qkv_setup_context(ctx, inputs, output):
+    qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate = inputs
+    _, block_cum, block_seq = output
+    ctx.mark_non_differentiable(block_cum, block_seq)
+    ctx.save_for_backward(qkv, offsets, sinu_pos, block_cum, block_seq)
+    ctx.options = (num_heads, num_kv_heads, block_size, scale, rotate)
+
+
+def _qkv_backward(ctx, grad_out, _grad_block_cum, _grad_block_seq):
+    qkv, offsets, sinu_pos, block_cum, block_seq = ctx.saved_tensors
+    dqkv = qkv_block_attention_bwd(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, *ctx.options)
+    return dqkv, None, None, None, None, None, None, None
+
+
+qkv_block_attention_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup_context)
 
 
 def in_block_pairs(offsets: torch.Tensor, num_tokens: int, block_size: int) -> int:
@@ -81,13 +174,33 @@ def in_block_pairs(offsets: torch.Tensor, num_tokens: int, block_size: int) -> i
     return int((full * block_size * block_size + rest * rest).sum())
 
 
+def _attention_flops(offsets, num_tokens, num_heads, head_dim, block_size, matmuls) -> int:
+    # 2 * BS_eff * D per matmul, query row and head, over the in-block pairs only (rotary adds a few per element).
+    return 2 * matmuls * in_block_pairs(offsets, num_tokens, block_size) * num_heads * head_dim
+
+
 @register_flop_formula(torch.ops.blockattn.block_attention_fwd, get_raw=True)
-def _fwd_flops(q, k, v, offsets, block_size, scale, *args, **kwargs) -> int:
-    # Two matmuls (q k^T and p v) over the in-block pairs only: 4 * BS_eff * D per query row and head.
-    return 4 * in_block_pairs(offsets, q.shape[0], block_size) * q.shape[1] * q.shape[2]
+def _fwd_flops(q, k, v, offsets, sinu_pos, block_size, *args, **kwargs) -> int:
+    return _attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, matmuls=2)  # q k^T, p v
 
 
 @register_flop_formula(torch.ops.blockattn.block_attention_bwd, get_raw=True)
-def _bwd_flops(grad_out, q, k, v, offsets, block_cum, block_seq, block_size, scale, *args, **kwargs) -> int:
-    # Five matmuls against the forward's two: 2.5x.
-    return 10 * in_block_pairs(offsets, q.shape[0], block_size) * q.shape[1] * q.shape[2]
+def _bwd_flops(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, *args, **kwargs) -> int:
+    return _attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, matmuls=5)
+
+
+def _packed_head_dim(qkv, num_heads, num_kv_heads) -> int:
+    return qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+
+
+@register_flop_formula(torch.ops.blockattn.qkv_block_attention_fwd, get_raw=True)
+def _qkv_fwd_flops(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, *args, **kwargs) -> int:
+    head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
+    return _attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, matmuls=2)
+
+
+@register_flop_formula(torch.ops.blockattn.qkv_block_attention_bwd, get_raw=True)
+def _qkv_bwd_flops(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads, block_size,
+                   *args, **kwargs) -> int:
+    head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
+    return _attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, matmuls=5)

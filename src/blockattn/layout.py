@@ -15,6 +15,8 @@ BLOCK_SIZES = (16, 32, 64, 128)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OFFSET_DTYPES = (torch.int32, torch.int64)
+# The operands a fused rotary can turn, as bits of the kernels' ROTATE mask.
+ROTATE_BITS = {"q": 1, "k": 2, "v": 4}
 
 
 def max_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
@@ -154,3 +156,33 @@ def validate(
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+
+
+def validate_sinu_pos(sinu_pos: torch.Tensor, x: torch.Tensor, x_name: str) -> None:
+    """``sinu_pos`` must be ``[N, D]`` of ``x = [N, H, D]``, floating, on ``x``'s device, and need no gradient."""
+    if not isinstance(sinu_pos, torch.Tensor):
+        raise TypeError(f"sinu_pos must be a torch.Tensor or None, got {type(sinu_pos).__name__}")
+    n, _, d = x.shape
+    if sinu_pos.shape != (n, d):
+        raise ValueError(f"sinu_pos must be [N, head_dim] = [{n}, {d}] ([sin | cos] per token), got "
+                         f"{tuple(sinu_pos.shape)}")
+    if sinu_pos.dtype not in GPU_DTYPES:
+        raise TypeError(f"sinu_pos must be float16, bfloat16 or float32, got {sinu_pos.dtype}")
+    if sinu_pos.device != x.device:
+        raise ValueError(f"sinu_pos must be on the device of {x_name} ({x.device}), got {sinu_pos.device}")
+    if sinu_pos.requires_grad:
+        raise ValueError("sinu_pos requires grad, but no gradient flows to the rotary angles: pass "
+                         "sinu_pos.detach()")
+
+
+def rotate_mask(rotate) -> int:
+    """``rotate`` (a tuple of names from ``ROTATE_BITS``) as the kernels' bit mask."""
+    if isinstance(rotate, str) or not isinstance(rotate, (tuple, list, set, frozenset)):
+        raise TypeError(f"rotate must be a tuple of names from {tuple(ROTATE_BITS)}, e.g. ('q', 'k'), got {rotate!r}")
+    unknown = [name for name in rotate if name not in ROTATE_BITS]
+    if unknown:
+        raise ValueError(f"rotate names the operands to rotate, from {tuple(ROTATE_BITS)}; got unknown {unknown}")
+    mask = 0
+    for name in rotate:
+        mask |= ROTATE_BITS[name]
+    return mask

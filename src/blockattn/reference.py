@@ -41,3 +41,23 @@ def block_attention_reference(
         return q.new_zeros(0, hq, d)
     return torch.cat(pieces, dim=0)
 
+
+
+def rotary_reference(
+    x: torch.Tensor,
+    sinu_pos: torch.Tensor,
+    *,
+    inverse: bool = False,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Rotary embedding with interleaved pairs (SPEC §2) of ``[N, H, D]`` by ``sinu_pos = [sin | cos]``, ``[N, D]``:
+    ``y[2i] = x[2i] cos_i - x[2i+1] sin_i``, ``y[2i+1] = x[2i+1] cos_i + x[2i] sin_i``; ``inverse`` turns the other
+    way (``sin -> -sin``). Differentiable in ``x``; returns ``compute_dtype``."""
+    half = x.shape[-1] // 2
+    sin = sinu_pos[:, None, :half].to(compute_dtype)
+    cos = sinu_pos[:, None, half:].to(compute_dtype)
+    if inverse:
+        sin = -sin
+    x = x.to(compute_dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)

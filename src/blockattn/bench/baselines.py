@@ -8,13 +8,15 @@ that computes something else never makes it into the table.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 import blockattn
+from blockattn.custom_ops import split_heads
 from blockattn.layout import block_rows, block_table
+from blockattn.reference import rotary_reference
 
 
 class Unavailable(Exception):
@@ -32,6 +34,8 @@ class Case:
     offsets: torch.Tensor
     block_size: int
     scale: float
+    sinu_pos: torch.Tensor | None = None  # rotary angles [N, D] of rotary workloads
+    projection: tuple[torch.Tensor, ...] | None = None  # (x, w, bias) of rotary workloads' qkv projection
     rows: torch.Tensor = field(init=False)  # [num_blocks, BS] token rows of each real block
     valid: torch.Tensor = field(init=False)  # [num_blocks, BS] which of them exist
     cu_blocks: torch.Tensor = field(init=False)  # int32 [num_blocks + 1]: one boundary per block
@@ -95,7 +99,7 @@ def blockattn_runner(case: Case) -> Runner:
     runner = autograd_runner(forward, case.inputs, case.do)
     # The backward op alone, as autograd calls it (with the forward's block table): no graph bookkeeping.
     runner.bwd = lambda: torch.ops.blockattn.block_attention_bwd(
-        case.do, case.q, case.k, case.v, case.offsets, *case.table, case.block_size, case.scale
+        case.do, case.q, case.k, case.v, case.offsets, None, *case.table, case.block_size, case.scale, 0
     )
     return runner
 
@@ -252,7 +256,7 @@ def flash_attn_package_runner(module: str, function: str) -> Callable[[Case], Ru
 
 def xformers_runner(case: Case) -> Runner:
     memory_efficient_attention = _import("xformers.ops").memory_efficient_attention
-    BlockDiagonalMask = _import("xformers.ops.fmha.attn_bias").BlockDiagonalMask  # noqa: N806
+    BlockDiagonalMask = _import("xformers.ops.fmha.attn_bias").BlockDiagonalMask
 
     if case.gqa:
         raise Unavailable("GQA needs xformers' 5-D layout; not wired here")
@@ -284,3 +288,97 @@ BASELINES: dict[str, Callable[[Case], Runner]] = {
     "flash_attn FA4": flash_attn_package_runner("flash_attn.cute", "flash_attn_varlen_func"),
 }
 REFERENCE_BASELINE = "FA2 varlen (aten)"
+
+
+# --- rotary workloads: rotary fused into attention, and projection + rotary + attention -----------------------------
+
+
+def torch_rotary(x: torch.Tensor, sinu_pos: torch.Tensor) -> torch.Tensor:
+    """The plain PyTorch rotary (the reference formula) in the inputs' dtype, as an unfused model runs it."""
+    return rotary_reference(x, sinu_pos, compute_dtype=x.dtype)
+
+
+def blockattn_attention(case: Case) -> Callable[..., torch.Tensor]:
+    return lambda q, k, v: blockattn.block_attention(q, k, v, case.offsets, block_size=case.block_size,
+                                                     scale=case.scale)
+
+
+def fa2_attention(case: Case) -> Callable[..., torch.Tensor]:
+    """Differentiable FlashAttention-2 (aten) with one boundary per block."""
+    cu, bs = case.cu_blocks, case.block_size
+    return lambda q, k, v: torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, bs, bs, 0.0, False, False,
+                                                                   scale=case.scale)[0]
+
+
+def fused_rotary_runner(case: Case) -> Runner:
+    def forward(q, k, v):
+        return blockattn.block_attention(q, k, v, case.offsets, block_size=case.block_size, scale=case.scale,
+                                         sinu_pos=case.sinu_pos)
+
+    runner = autograd_runner(forward, case.inputs, case.do)
+    runner.bwd = lambda: torch.ops.blockattn.block_attention_bwd(
+        case.do, case.q, case.k, case.v, case.offsets, case.sinu_pos, *case.table, case.block_size, case.scale, 7
+    )
+    return runner
+
+
+def unfused_rotary_runner(attention, rotary) -> Callable[[Case], Runner]:
+    """``rotary`` on q, k, v, then ``attention``; the backward is autograd's: attention's, then the rotary's."""
+
+    def make(case: Case) -> Runner:
+        attend = attention(case)
+
+        def forward(q, k, v):
+            return attend(*(rotary(t, case.sinu_pos) for t in (q, k, v)))
+
+        try:
+            return autograd_runner(forward, case.inputs, case.do)
+        except RuntimeError as error:
+            raise Unavailable(f"failed: {str(error).splitlines()[0]}") from None
+
+    return make
+
+
+def qkv_runner(case: Case) -> Runner:
+    hq, hkv = case.q.shape[1], case.k.shape[1]
+
+    def forward(x, w, bias):
+        return blockattn.qkv_block_attention(x, w, case.offsets, num_heads=hq, num_kv_heads=hkv,
+                                             sinu_pos=case.sinu_pos, bias=bias, block_size=case.block_size,
+                                             scale=case.scale)
+
+    return autograd_runner(forward, case.projection, case.do)
+
+
+def unfused_qkv_runner(attention) -> Callable[[Case], Runner]:
+    """``x @ w + bias``, split into q, k, v, PyTorch rotary, then ``attention``; all through autograd."""
+
+    def make(case: Case) -> Runner:
+        attend = attention(case)
+        hq, hkv = case.q.shape[1], case.k.shape[1]
+
+        def forward(x, w, bias):
+            heads = split_heads(torch.addmm(bias, x, w), hq, hkv)
+            return attend(*(torch_rotary(t, case.sinu_pos) for t in heads))
+
+        try:
+            return autograd_runner(forward, case.projection, case.do)
+        except RuntimeError as error:
+            raise Unavailable(f"failed: {str(error).splitlines()[0]}") from None
+
+    return make
+
+
+ROTARY_IMPLS: dict[str, Callable[[Case], Runner]] = {
+    "blockattn fused rotary": fused_rotary_runner,
+    "blockattn + blockattn.apply_rotary": unfused_rotary_runner(blockattn_attention, blockattn.apply_rotary),
+    "blockattn + torch rotary": unfused_rotary_runner(blockattn_attention, torch_rotary),
+    "FA2 varlen + torch rotary": unfused_rotary_runner(fa2_attention, torch_rotary),
+}
+ROTARY_REFERENCE = "FA2 varlen + torch rotary"
+QKV_IMPLS: dict[str, Callable[[Case], Runner]] = {
+    "blockattn qkv_block_attention": qkv_runner,
+    "matmul + torch rotary + blockattn": unfused_qkv_runner(blockattn_attention),
+    "matmul + torch rotary + FA2 varlen": unfused_qkv_runner(fa2_attention),
+}
+QKV_REFERENCE = "matmul + torch rotary + FA2 varlen"

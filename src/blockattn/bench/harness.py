@@ -15,7 +15,18 @@ import torch
 
 from blockattn.reference import block_attention_reference
 
-from .baselines import BASELINES, REFERENCE_BASELINE, Case, Runner, Unavailable, blockattn_runner
+from .baselines import (
+    BASELINES,
+    QKV_IMPLS,
+    QKV_REFERENCE,
+    REFERENCE_BASELINE,
+    ROTARY_IMPLS,
+    ROTARY_REFERENCE,
+    Case,
+    Runner,
+    Unavailable,
+    blockattn_runner,
+)
 from .presets import Workload
 
 PASSES = ("fwd", "bwd", "fwdbwd")
@@ -46,11 +57,12 @@ def copy_bandwidth_tbps(rep_ms: int, gib: float = 2.0) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
-def floor_bytes(w: Workload, num_tokens: int) -> dict[str, int]:
-    """SPEC §4: fwd reads q, k, v and writes o; bwd reads q, k, v, do and writes dq, dk, dv."""
+def floor_bytes(w: Workload, num_tokens: int, rotary: bool = False) -> dict[str, int]:
+    """SPEC §4: fwd reads q, k, v and writes o; bwd reads q, k, v, do and writes dq, dk, dv. A fused rotary reads
+    ``sinu_pos`` ([N, D]) in each pass too."""
     per_head = num_tokens * w.head_dim * w.torch_dtype.itemsize
-    fwd = (2 * w.heads + 2 * w.kv_heads) * per_head
-    bwd = (3 * w.heads + 4 * w.kv_heads) * per_head
+    fwd = (2 * w.heads + 2 * w.kv_heads + rotary) * per_head
+    bwd = (3 * w.heads + 4 * w.kv_heads + rotary) * per_head
     return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}
 
 
@@ -58,11 +70,18 @@ def make_case(w: Workload, offsets: torch.Tensor, seed: int) -> Case:
     generator = torch.Generator(device="cuda").manual_seed(seed)
     n = int(offsets[-1])
 
-    def randn(heads):
-        return torch.randn(n, heads, w.head_dim, device="cuda", dtype=w.torch_dtype, generator=generator)
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=w.torch_dtype, generator=generator) * scale
 
-    return Case(randn(w.heads), randn(w.kv_heads), randn(w.kv_heads), randn(w.heads), offsets, w.block_size,
-                1.0 / math.sqrt(w.head_dim))
+    sinu_pos = projection = None
+    if w.rotary:
+        angles = torch.rand(n, w.head_dim // 2, device="cuda", generator=generator) * 2 * math.pi
+        sinu_pos = torch.cat([angles.sin(), angles.cos()], dim=1).to(w.torch_dtype)
+        d_model, width = w.heads * w.head_dim, (w.heads + 2 * w.kv_heads) * w.head_dim
+        projection = (randn(n, d_model), randn(d_model, width, scale=d_model**-0.5), randn(width))
+    return Case(randn(n, w.heads, w.head_dim), randn(n, w.kv_heads, w.head_dim), randn(n, w.kv_heads, w.head_dim),
+                randn(n, w.heads, w.head_dim), offsets, w.block_size, 1.0 / math.sqrt(w.head_dim), sinu_pos,
+                projection)
 
 
 @dataclass
@@ -133,59 +152,80 @@ def _accuracy(w: Workload, offsets: torch.Tensor, seed: int) -> list[dict]:
     return rows
 
 
+def _groups(w: Workload, n: int, baselines: list[str]) -> list[tuple]:
+    """What one workload times: ``(group, {name: factory}, reference name, floor bytes or None)``. The attention
+    group always; rotary workloads add rotary fused into attention (against attention + a separate rotary) and the
+    whole projection + rotary + attention (matmul-bound, so no floor)."""
+    groups = [("attention", {OURS: blockattn_runner, **{b: BASELINES[b] for b in baselines}}, REFERENCE_BASELINE,
+               floor_bytes(w, n))]
+    if w.rotary:
+        groups += [("rotary", ROTARY_IMPLS, ROTARY_REFERENCE, floor_bytes(w, n, rotary=True)),
+                   ("qkv", QKV_IMPLS, QKV_REFERENCE, None)]
+    return groups
+
+
+def _time_group(report: Report, w: Workload, case: Case, group: str, factories: dict, reference: str,
+                floor: dict | None, passes: list[str], rep_ms: int, progress, task) -> None:
+    tbps = report.copy_tbps * 1e12
+    expected = None
+    rows = []
+    for name, factory in factories.items():
+        progress.update(task, description=f"{w.name} {group}: {name}")
+        try:
+            runner: Runner = factory(case)
+            results = runner.check()
+            if expected is None:
+                expected = [t.detach() for t in results]
+            else:
+                agreement = _check(results, expected)
+                if not agreement >= MATCH_SNR_DB:
+                    raise Unavailable(f"result differs from {next(iter(factories))} (SNR {agreement:.1f} dB)")
+            del results
+            timings = {p: time_ms(getattr(runner, p), rep_ms) for p in passes}
+            extra = {label: time_ms(fn, rep_ms) for label, fn in runner.extra.items()}
+        except Unavailable as why:
+            report.skipped.append({"workload": w.name, "group": group, "impl": name, "reason": str(why)})
+            continue
+        finally:
+            runner = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            progress.advance(task)
+        for p, ms in timings.items():
+            row = {"workload": w.name, "group": group, "pass": p, "impl": name, "ms": ms, "extra_ms": extra,
+                   "reference": reference, "floor_ms": None, "x_floor": None, "floor_tbps": None}
+            if floor is not None:
+                row.update(floor_ms=floor[p] / tbps * 1e3, x_floor=ms / (floor[p] / tbps * 1e3),
+                           floor_tbps=floor[p] / (ms * 1e-3) / 1e12)
+            if group == "rotary":  # the issue's yardstick: the attention-only floor
+                row["x_attention_floor"] = ms / (floor_bytes(w, case.q.shape[0])[p] / tbps * 1e3)
+            rows.append(row)
+    for row in rows:
+        ref = next((r["ms"] for r in rows if r["impl"] == reference and r["pass"] == row["pass"]), None)
+        if ref:
+            row["speedup_vs_fa2"] = ref / row["ms"]
+    report.results += rows
+
+
 def run(workloads: list[Workload], passes: list[str], baselines: list[str], rep_ms: int, seed: int,
         progress) -> Report:
     report = Report(environment(), copy_bandwidth_tbps(rep_ms))
-    names = [OURS, *baselines]
-    task = progress.add_task("benchmark", total=len(workloads) * len(names))
+    plans = []
     for w in workloads:
-        offsets = w.offsets(seed, device="cuda")
+        plans.append((w, w.offsets(seed, device="cuda")))
+    total = sum(len(g[1]) for w, o in plans for g in _groups(w, int(o[-1]), baselines))
+    task = progress.add_task("benchmark", total=total)
+    for w, offsets in plans:
         case = make_case(w, offsets, seed)
         n = case.q.shape[0]
-        floors = {p: b / (report.copy_tbps * 1e12) * 1e3 for p, b in floor_bytes(w, n).items()}
         report.workloads.append({**w.to_dict(), "tokens": n, "blocks": int(case.rows.shape[0]),
-                                 "floor_ms": floors})
-        expected = None
-        timings: dict[str, dict[str, float]] = {}
-        for name in names:
-            progress.update(task, description=f"{w.name}: {name}")
-            factory = blockattn_runner if name == OURS else BASELINES[name]
-            try:
-                runner: Runner = factory(case)
-                results = runner.check()
-                if expected is None:
-                    expected = [t.detach() for t in results]
-                else:
-                    agreement = _check(results, expected)
-                    if not agreement >= MATCH_SNR_DB:
-                        raise Unavailable(f"result differs from blockattn (SNR {agreement:.1f} dB): not a baseline")
-                del results
-                timings[name] = {p: time_ms(getattr(runner, p), rep_ms) for p in passes}
-                extra = {label: time_ms(fn, rep_ms) for label, fn in runner.extra.items()}
-            except Unavailable as why:
-                report.skipped.append({"workload": w.name, "impl": name, "reason": str(why)})
-                progress.advance(task)
-                continue
-            finally:
-                runner = None
-                gc.collect()
-                torch.cuda.empty_cache()
-            for p in passes:
-                ms = timings[name][p]
-                report.results.append({
-                    "workload": w.name, "pass": p, "impl": name, "ms": ms,
-                    "floor_ms": floors[p], "x_floor": ms / floors[p],
-                    "floor_tbps": floor_bytes(w, n)[p] / (ms * 1e-3) / 1e12,
-                    "extra_ms": extra,
-                })
-            progress.advance(task)
-        for row in report.results:
-            fa2 = timings.get(REFERENCE_BASELINE, {}).get(row["pass"])
-            if row["workload"] == w.name and fa2:
-                row["speedup_vs_fa2"] = fa2 / row["ms"]
+                                 "floor_ms": {p: b / (report.copy_tbps * 1e12) * 1e3
+                                              for p, b in floor_bytes(w, n).items()}})
+        for group in _groups(w, n, baselines):
+            _time_group(report, w, case, *group, passes, rep_ms, progress, task)
         progress.update(task, description=f"{w.name}: accuracy vs float64")
         report.accuracy += _accuracy(w, offsets, seed)
-        del case, expected
+        del case
         gc.collect()
         torch.cuda.empty_cache()
     return report
@@ -197,9 +237,11 @@ def write_chart(report: Report, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["workload"], r["pass"]) for r in report.results}, key=lambda g: (g[0], PASSES.index(g[1])))
-    impls = [i for i in dict.fromkeys(r["impl"] for r in report.results) if i != REFERENCE_BASELINE]
-    speed = {(r["workload"], r["pass"], r["impl"]): r.get("speedup_vs_fa2") for r in report.results}
+    groups = sorted({(f"{r['workload']} {r['group']}", r["pass"]) for r in report.results},
+                    key=lambda g: (g[0], PASSES.index(g[1])))
+    references = {r["reference"] for r in report.results}
+    impls = [i for i in dict.fromkeys(r["impl"] for r in report.results) if i not in references]
+    speed = {(f"{r['workload']} {r['group']}", r["pass"], r["impl"]): r.get("speedup_vs_fa2") for r in report.results}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(groups) + 2), 4.5))
     width = 0.8 / max(1, len(impls))
     for i, impl in enumerate(impls):
@@ -209,7 +251,7 @@ def write_chart(report: Report, path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([g + width * (len(impls) - 1) / 2 for g in range(len(groups))])
     ax.set_xticklabels([f"{w}\n{p}" for w, p in groups])
-    ax.set_ylabel("speedup over FlashAttention-2 varlen (aten)")
+    ax.set_ylabel("speedup over the FlashAttention-2 path of its group")
     env = report.environment
     ax.set_title(f"block attention, {env['device']}, {env['date'][:10]}")
     ax.legend(fontsize=8)

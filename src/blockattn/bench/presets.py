@@ -20,6 +20,7 @@ class Workload:
     head_dim: int
     block_size: int = 64
     dtype: str = "bfloat16"
+    rotary: bool = False  # also time rotary fused into attention, and the whole projection + rotary + attention
 
     def __post_init__(self):
         if not 0 < self.min_len < self.max_len:
@@ -60,7 +61,7 @@ PRESETS = {
     for w in (
         Workload("ads", 1152, 800, 2000, 4, 4, 128),
         # 1.74 M tokens, mean ~1506: uniform in [1012, 2000) (sparsity 0.753 of 2000).
-        Workload("ads-rotary", 1152, 1012, 2000, 3, 3, 128),
+        Workload("ads-rotary", 1152, 1012, 2000, 3, 3, 128, rotary=True),
         Workload("ads-d64", 1152, 800, 2000, 4, 4, 64),
         Workload("long", 1152, 1, 8192, 2, 2, 128),
         Workload("short", 4096, 1, 307, 8, 8, 64),

@@ -9,8 +9,11 @@ written slice by slice. For small tiles there is one slice (each tensor is read 
 beyond what registers hold) are split so that no program needs a full ``[BS, 256]`` fp32 accumulator.
 
 The backward has a second kernel for the production shape (64-token blocks, 64 < D <= 128, no GQA, one memory
-layout for all tensors): a persistent loop over blocks that the compiler software-pipelines, so loads of the next
-block overlap the current one's math.
+layout for the inputs and gradients): a persistent loop over blocks that the compiler software-pipelines, so loads
+of the next block overlap the current one's math.
+
+A fused rotary (``ROTATE``, a mask of the operands to turn) switches the forward and the one-block backward to pair
+halves (``ops.rotary``): operands are rotated right after loading, gradients turned back before their one store.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import block_rows
+from ..layout import ROTATE_BITS, block_rows
+from ..reference import rotary_reference
+from .rotary import load_angles, load_pairs, pair_aligned, rotate, store_pairs
+from .tiles import store_tile, tile_mask, tile_ptrs
 
 _LOG2E = 1.4426950408889634
 
 
-def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2) -> dict:
+def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
+                  rotary: bool = False) -> dict:
     """Compile-time shape and launch of a kernel, as measured best on an H200 (docs/benchmarks.md).
 
     Head-dim slices are at most 64 x 128 elements in the forward and 64 x 64 in the backward, which holds more
@@ -32,17 +39,25 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     64 < D <= 128, 16-bit inputs and no GQA group takes whole rows in a persistent loop that prefetches the next
     block's tiles three deep (1.12x the memory floor on the `ads` preset, against 1.28x for 64-wide slices); fp32
     tiles would not fit three deep in shared memory.
+
+    With a fused rotary the kernels work on pair halves, which must be at least 16 wide for the tensor cores:
+    slices are at least 32 columns. Measured on an H100 at the `ads-rotary` shape (docs/benchmarks.md): the
+    persistent backward loses there (1.69x its floor against 1.34x for one whole-row block per program), and a
+    register cap of 168 takes the forward from 1.37x to 1.20x (other caps and 8 warps were worse).
     """
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    pipelined = backward and group == 1 and block_size == 64 and 64 < block_d <= 128 and element_size == 2
-    max_slice = 64 * 64 if backward and not pipelined else 64 * 128
-    chunk = min(block_d, max(16, max_slice // block_size))
+    min_width = 32 if rotary else 16
+    block_d = max(min_width, triton.next_power_of_2(head_dim))
+    pipelined = (backward and not rotary and group == 1 and block_size == 64 and 64 < block_d <= 128
+                 and element_size == 2)
+    max_slice = 64 * 64 if backward and not (pipelined or rotary) else 64 * 128
+    chunk = min(block_d, max(min_width, max_slice // block_size))
     return {
         "BLOCK_D": block_d,
         "CHUNK": chunk,
         "NUM_CHUNKS": triton.cdiv(block_d, chunk),
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
+        "MAXNREG": 168 if rotary and not backward and block_size == 64 and block_d == 128 else None,
     }
 
 
@@ -74,28 +89,6 @@ def _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num
 
 
 @triton.jit
-def _tile_ptrs(base, rows, col0, stride_n, stride_d, CHUNK: tl.constexpr):
-    cols = col0 + tl.arange(0, CHUNK)
-    return base + rows[:, None] * stride_n + cols[None, :] * stride_d
-
-
-@triton.jit
-def _store_tile(base, rows, col0, stride_n, stride_d, value, mask, CHUNK: tl.constexpr):
-    tl.store(_tile_ptrs(base, rows, col0, stride_n, stride_d, CHUNK), value.to(base.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _tile_mask(row_ok, col0, head_dim, CHUNK: tl.constexpr, EVEN_D: tl.constexpr):
-    if EVEN_D:
-        # Constant along the row, so loads under this mask stay 16-byte vectorised.
-        mask = tl.broadcast_to(row_ok[:, None], (row_ok.shape[0], CHUNK))
-    else:
-        cols = col0 + tl.arange(0, CHUNK)
-        mask = row_ok[:, None] & (cols < head_dim)[None, :]
-    return mask
-
-
-@triton.jit
 def _softmax_probs(scores, col_ok, qk_scale_log2):
     """Exact row softmax of a score tile whose every key lies in the tile (``col_ok`` masks the partial block)."""
     scores = tl.where(col_ok[None, :], scores * qk_scale_log2, float("-inf"))
@@ -104,18 +97,74 @@ def _softmax_probs(scores, col_ok, qk_scale_log2):
 
 
 @triton.jit
+def _load_rotated(base, rows, pair0, stride_n, mask, sin, cos, ON: tl.constexpr, PAIRS: tl.constexpr):
+    """An operand's ``(even, odd)`` pair halves, rotated (in fp32, rounded back to its dtype, as an unfused rotary
+    would have stored it) when ``ON``."""
+    even, odd = load_pairs(base, rows, pair0, stride_n, mask, PAIRS)
+    if ON:
+        even, odd = rotate(even, odd, sin, cos, False)
+        even = even.to(base.dtype.element_ty)
+        odd = odd.to(base.dtype.element_ty)
+    return even, odd
+
+
+@triton.jit
+def _store_unrotated(base, rows, pair0, stride_n, even, odd, mask, sin, cos, ON: tl.constexpr,
+                     PAIRS: tl.constexpr):
+    """Store the gradient of an operand, turned back (``sin -> -sin``, fp32) when the operand was rotated."""
+    if ON:
+        even, odd = rotate(even, odd, sin, cos, True)
+    store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS)
+
+
+@triton.jit
+def _pair_dot(a_even, a_odd, b_even, b_odd, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b^T`` over the head dim, from the pair halves of ``a`` and ``b``."""
+    acc = tl.dot(a_even, tl.trans(b_even), acc, input_precision=DOT_PRECISION)
+    return tl.dot(a_odd, tl.trans(b_odd), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, head_dim, qk_scale_log2,
+                      stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd,
+                      BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                      EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr):
+    """The forward of one (block, head) on pair halves, the operands named by ROTATE turned after loading."""
+    PAIRS: tl.constexpr = CHUNK // 2
+    half = head_dim // 2
+    scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+    for c in tl.static_range(NUM_CHUNKS):
+        mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
+        sin, cos = load_angles(sinu_ptr, rows, c * PAIRS, half, stride_sn, stride_sd, mask, PAIRS)
+        q_even, q_odd = _load_rotated(q_base, rows, c * PAIRS, stride_qn, mask, sin, cos, ROTATE & 1, PAIRS)
+        k_even, k_odd = _load_rotated(k_base, rows, c * PAIRS, stride_kn, mask, sin, cos, ROTATE & 2, PAIRS)
+        scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
+    p = _softmax_probs(scores, row_ok, qk_scale_log2).to(q_base.dtype.element_ty)
+    for c in tl.static_range(NUM_CHUNKS):
+        mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
+        sin, cos = load_angles(sinu_ptr, rows, c * PAIRS, half, stride_sn, stride_sd, mask, PAIRS)
+        v_even, v_odd = _load_rotated(v_base, rows, c * PAIRS, stride_vn, mask, sin, cos, ROTATE & 4, PAIRS)
+        o_even = tl.dot(p, v_even, input_precision=DOT_PRECISION)
+        o_odd = tl.dot(p, v_odd, input_precision=DOT_PRECISION)
+        store_pairs(o_base, rows, c * PAIRS, stride_on, o_even, o_odd, mask, PAIRS)
+
+
+@triton.jit
 def _block_attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, sinu_ptr,
     block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_tokens, head_dim, qk_scale_log2,
     stride_qn, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_on, stride_oh, stride_od,
+    stride_sn, stride_sd,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     # Heads vary fastest so that the programs of one block (which share its rows, and k/v under GQA) run together.
+    # ROTATE is a bit mask (q 1, k 2, v 4) of the operands turned by the rotary angles right after their load.
     pid = tl.program_id(0)
     slot = pid // NUM_Q_HEADS
     head = pid % NUM_Q_HEADS
@@ -131,19 +180,24 @@ def _block_attention_fwd_kernel(
     v_base = v_ptr + kv_head * stride_vh
     o_base = o_ptr + head * stride_oh
 
+    if ROTATE != 0:
+        _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, head_dim, qk_scale_log2,
+                          stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd,
+                          BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE)
+        return
     scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
-        mask = _tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
-        q = tl.load(_tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
-        k = tl.load(_tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+        mask = tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
+        q = tl.load(tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
+        k = tl.load(tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
     p = _softmax_probs(scores, row_ok, qk_scale_log2).to(q_ptr.dtype.element_ty)
 
     for c in tl.static_range(NUM_CHUNKS):
-        mask = _tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
-        v = tl.load(_tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
+        mask = tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
+        v = tl.load(tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
         o = tl.dot(p, v, input_precision=DOT_PRECISION)
-        _store_tile(o_base, rows, c * CHUNK, stride_on, stride_od, o, mask, CHUNK)
+        store_tile(o_base, rows, c * CHUNK, stride_on, stride_od, o, mask, CHUNK)
 
 
 @triton.jit
@@ -151,13 +205,13 @@ def _bwd_slice_products(q_base, k_base, v_base, do_base, rows, row_ok, col0, hea
                         stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
                         CHUNK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add one head-dim slice's share of ``q k^T`` and ``dO v^T``; return the slice's q, k, dO tiles too."""
-    mask = _tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
-    q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
-    k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+    mask = tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
+    q = tl.load(tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
+    k = tl.load(tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
     scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
     # Loaded after the first product: fewer tiles live at once (no register spills at D = 64).
-    v = tl.load(_tile_ptrs(v_base, rows, col0, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
-    do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
+    v = tl.load(tile_ptrs(v_base, rows, col0, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
+    do = tl.load(tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
     dp = tl.dot(do, tl.trans(v), dp, input_precision=DOT_PRECISION)
     return q, k, do, scores, dp
 
@@ -169,8 +223,86 @@ def _grad_scores(p, dp, dtype):
 
 
 @triton.jit
+def _bwd_rotary_slice(q_base, k_base, v_base, do_base, sinu_ptr, rows, pair0, half, mask,
+                      stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd,
+                      PAIRS: tl.constexpr, ROTATE: tl.constexpr):
+    """One slice's angles and pair halves of the (rotated) q, k, v and of dO."""
+    sin, cos = load_angles(sinu_ptr, rows, pair0, half, stride_sn, stride_sd, mask, PAIRS)
+    q_even, q_odd = _load_rotated(q_base, rows, pair0, stride_qn, mask, sin, cos, ROTATE & 1, PAIRS)
+    k_even, k_odd = _load_rotated(k_base, rows, pair0, stride_kn, mask, sin, cos, ROTATE & 2, PAIRS)
+    v_even, v_odd = _load_rotated(v_base, rows, pair0, stride_vn, mask, sin, cos, ROTATE & 4, PAIRS)
+    do_even, do_odd = load_pairs(do_base, rows, pair0, stride_don, mask, PAIRS)
+    return sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd
+
+
+@triton.jit
+def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, rows, row_ok, kv_head,
+                      first_slice, head_dim, scale, qk_scale_log2,
+                      stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
+                      stride_dkn, stride_dvn, stride_sn, stride_sd,
+                      GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                      EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SLICES_PER_PROGRAM: tl.constexpr,
+                      ROTATE: tl.constexpr):
+    """``_block_attention_bwd_kernel``'s program on pair halves: GQA and head-dim slices, rotated operands."""
+    PAIRS: tl.constexpr = CHUNK // 2
+    half = head_dim // 2
+    dk_even = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
+    dk_odd = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
+    dv_even = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
+    dv_odd = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        q_base = q_ptr + head * stride_qh
+        do_base = do_ptr + head * stride_doh
+        scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
+            sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
+                q_base, k_base, v_base, do_base, sinu_ptr, rows, c * PAIRS, half, mask,
+                stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE)
+            scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
+            dp = _pair_dot(do_even, do_odd, v_even, v_odd, dp, DOT_PRECISION)
+        p = _softmax_probs(scores, row_ok, qk_scale_log2)
+        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty)
+        p = p.to(q_ptr.dtype.element_ty)
+        for i in range(SLICES_PER_PROGRAM):
+            pair0 = (first_slice + i) * PAIRS
+            mask = tile_mask(row_ok, pair0, half, PAIRS, EVEN_D)
+            # The slice again (an L1/L2 hit): holding every slice would spill registers.
+            sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
+                q_base, k_base, v_base, do_base, sinu_ptr, rows, pair0, half, mask,
+                stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE & 3)
+            if GROUP == 1:
+                _store_unrotated(dv_base, rows, pair0, stride_dvn,
+                                 tl.dot(tl.trans(p), do_even, input_precision=DOT_PRECISION),
+                                 tl.dot(tl.trans(p), do_odd, input_precision=DOT_PRECISION),
+                                 mask, sin, cos, ROTATE & 4, PAIRS)
+                _store_unrotated(dk_base, rows, pair0, stride_dkn,
+                                 tl.dot(tl.trans(ds), q_even, input_precision=DOT_PRECISION) * scale,
+                                 tl.dot(tl.trans(ds), q_odd, input_precision=DOT_PRECISION) * scale,
+                                 mask, sin, cos, ROTATE & 2, PAIRS)
+            else:
+                dv_even = tl.dot(tl.trans(p), do_even, dv_even, input_precision=DOT_PRECISION)
+                dv_odd = tl.dot(tl.trans(p), do_odd, dv_odd, input_precision=DOT_PRECISION)
+                dk_even = tl.dot(tl.trans(ds), q_even, dk_even, input_precision=DOT_PRECISION)
+                dk_odd = tl.dot(tl.trans(ds), q_odd, dk_odd, input_precision=DOT_PRECISION)
+            _store_unrotated(dq_ptr + head * stride_dqh, rows, pair0, stride_dqn,
+                             tl.dot(ds, k_even, input_precision=DOT_PRECISION) * scale,
+                             tl.dot(ds, k_odd, input_precision=DOT_PRECISION) * scale,
+                             mask, sin, cos, ROTATE & 1, PAIRS)
+    if GROUP > 1:
+        pair0 = first_slice * PAIRS
+        mask = tile_mask(row_ok, pair0, half, PAIRS, EVEN_D)
+        sin, cos = load_angles(sinu_ptr, rows, pair0, half, stride_sn, stride_sd, mask, PAIRS)
+        _store_unrotated(dv_base, rows, pair0, stride_dvn, dv_even, dv_odd, mask, sin, cos, ROTATE & 4, PAIRS)
+        _store_unrotated(dk_base, rows, pair0, stride_dkn, dk_even * scale, dk_odd * scale, mask, sin, cos,
+                         ROTATE & 2, PAIRS)
+
+
+@triton.jit
 def _block_attention_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, sinu_ptr,
     block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_tokens, head_dim, scale, qk_scale_log2,
     stride_qn, stride_qh, stride_qd,
@@ -180,14 +312,17 @@ def _block_attention_bwd_kernel(
     stride_dqn, stride_dqh, stride_dqd,
     stride_dkn, stride_dkh, stride_dkd,
     stride_dvn, stride_dvh, stride_dvd,
+    stride_sn, stride_sd,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLICES_PER_PROGRAM: tl.constexpr,
+    SLICES_PER_PROGRAM: tl.constexpr, ROTATE: tl.constexpr,
 ):
     # Each program owns SLICES_PER_PROGRAM of the NUM_CHUNKS head-dim slices of one (block, kv head): it recomputes
     # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
     # as soon as it is computed. With GQA a program owns one slice and loops over the GROUP query heads that share
     # the kv head, accumulating that slice of dk/dv in registers. No atomics: bitwise reproducible.
+    # With a rotary (ROTATE: q 1, k 2, v 4) the same program runs on pair halves (_bwd_rotary_block): operands are
+    # rotated after every load and their gradients turned back before the store.
     PROGRAMS_PER_HEAD: tl.constexpr = NUM_CHUNKS // SLICES_PER_PROGRAM
     pid = tl.program_id(0)
     first_slice = (pid % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
@@ -203,6 +338,13 @@ def _block_attention_bwd_kernel(
     v_base = v_ptr + kv_head * stride_vh
     dk_base = dk_ptr + kv_head * stride_dkh
     dv_base = dv_ptr + kv_head * stride_dvh
+    if ROTATE != 0:
+        _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, rows, row_ok, kv_head,
+                          first_slice, head_dim, scale, qk_scale_log2,
+                          stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
+                          stride_dkn, stride_dvn, stride_sn, stride_sd,
+                          GROUP, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, SLICES_PER_PROGRAM, ROTATE)
+        return
 
     dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
     dv = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
@@ -228,29 +370,29 @@ def _block_attention_bwd_kernel(
         p = p.to(q_ptr.dtype.element_ty)
         for i in range(SLICES_PER_PROGRAM):
             col0 = (first_slice + i) * CHUNK
-            mask = _tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
+            mask = tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
             if NUM_CHUNKS > 1:
                 # Read the slice again (an L1/L2 hit): holding every slice would spill registers.
-                q = tl.load(_tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
-                k = tl.load(_tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
-                do = tl.load(_tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
+                q = tl.load(tile_ptrs(q_base, rows, col0, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
+                k = tl.load(tile_ptrs(k_base, rows, col0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+                do = tl.load(tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
             if GROUP == 1:
-                _store_tile(dv_base, rows, col0, stride_dvn, stride_dvd,
-                            tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION), mask, CHUNK)
+                store_tile(dv_base, rows, col0, stride_dvn, stride_dvd,
+                           tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION), mask, CHUNK)
             else:
                 dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PRECISION)
             dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
-            _store_tile(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, dq, mask, CHUNK)
+            store_tile(dq_ptr + head * stride_dqh, rows, col0, stride_dqn, stride_dqd, dq, mask, CHUNK)
             if GROUP == 1:
-                _store_tile(dk_base, rows, col0, stride_dkn, stride_dkd,
-                            tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
+                store_tile(dk_base, rows, col0, stride_dkn, stride_dkd,
+                           tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale, mask, CHUNK)
             else:
                 dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
 
     if GROUP > 1:
-        mask = _tile_mask(row_ok, first_slice * CHUNK, head_dim, CHUNK, EVEN_D)
-        _store_tile(dv_base, rows, first_slice * CHUNK, stride_dvn, stride_dvd, dv, mask, CHUNK)
-        _store_tile(dk_base, rows, first_slice * CHUNK, stride_dkn, stride_dkd, dk * scale, mask, CHUNK)
+        mask = tile_mask(row_ok, first_slice * CHUNK, head_dim, CHUNK, EVEN_D)
+        store_tile(dv_base, rows, first_slice * CHUNK, stride_dvn, stride_dvd, dv, mask, CHUNK)
+        store_tile(dk_base, rows, first_slice * CHUNK, stride_dkn, stride_dkd, dk * scale, mask, CHUNK)
 
 
 @triton.jit
@@ -259,26 +401,33 @@ def _block_attention_bwd_persistent_kernel(
     block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_slots, num_tokens, head_dim, scale, qk_scale_log2,
     stride_n, stride_h, stride_d,
+    stride_don, stride_doh, stride_dod,
     NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PIPELINE_STAGES: tl.constexpr, DO_SHARES_LAYOUT: tl.constexpr,
 ):
     # The backward without GQA, whole head dim in one slice, as a persistent loop over (block, head): the compiler
     # prefetches the next item's tiles into shared memory while the current one computes, which hides the load
-    # latency that bounds one-block programs when few fit on a multiprocessor (D = 128). All seven tensors share
-    # one layout (the launcher checks), so one tile of offsets serves every load and store.
+    # latency that bounds one-block programs when few fit on a multiprocessor (D = 128). q, k, v, dq, dk, dv share
+    # one layout (the launcher checks), so one tile of offsets serves them, and dO too when DO_SHARES_LAYOUT.
     num_blocks = tl.minimum(tl.load(block_cum_ptr + num_seqs - 1), num_slots)  # the rest of the slots are padding
     offs = tl.arange(0, BLOCK_SIZE)
     for item in tl.range(tl.program_id(0), num_blocks * NUM_HEADS, tl.num_programs(0), num_stages=PIPELINE_STAGES):
         start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, item // NUM_HEADS, num_seqs,
                                       num_tokens, BLOCK_SIZE)
         row_ok = offs < length
-        mask = _tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
-        tile = _tile_ptrs((item % NUM_HEADS) * stride_h, start + offs, 0, stride_n, stride_d, CHUNK)
+        rows = start + offs
+        head = item % NUM_HEADS
+        mask = tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
+        tile = tile_ptrs(head * stride_h, rows, 0, stride_n, stride_d, CHUNK)
+        if DO_SHARES_LAYOUT:
+            do_tile = tile
+        else:
+            do_tile = tile_ptrs(head * stride_doh, rows, 0, stride_don, stride_dod, CHUNK)
         # All four tiles before the products (before the shared offsets: 1.17x the floor on `ads`, 1.22x interleaved).
         q = tl.load(q_ptr + tile, mask=mask, other=0.0)
         k = tl.load(k_ptr + tile, mask=mask, other=0.0)
         v = tl.load(v_ptr + tile, mask=mask, other=0.0)
-        do = tl.load(do_ptr + tile, mask=mask, other=0.0)
+        do = tl.load(do_ptr + do_tile, mask=mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         p = _softmax_probs(scores, row_ok, qk_scale_log2)
@@ -319,6 +468,14 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
     return [s for t in tensors for s in t.stride()]
 
 
+def _rotary_args(sinu_pos: torch.Tensor | None, rotate: int, like: torch.Tensor) -> tuple:
+    """Kernel arguments ``(sinu_ptr, stride_sn, stride_sd)`` and the ``ROTATE`` mask; without angles nothing is
+    rotated and the pointer (``like``) is never read."""
+    if sinu_pos is None or rotate == 0:
+        return (like, 0, 0), 0
+    return (sinu_pos, *sinu_pos.stride()), rotate
+
+
 def block_attention_fwd_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -328,28 +485,34 @@ def block_attention_fwd_triton(
     block_seq: torch.Tensor,
     block_size: int,
     scale: float,
+    sinu_pos: torch.Tensor | None = None,
+    rotate: int = 0,
     *,
     num_warps: int | None = None,
     maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Launch the forward kernel over the block table of ``layout.block_table``. Arguments are assumed validated
-    (``layout.validate``); ``num_warps`` and ``maxnreg`` (a register cap) override the tuned launch (for tuning
-    sweeps)."""
+    (``layout.validate``). ``rotate`` is a mask of ``layout.ROTATE_BITS``: those operands are turned by
+    ``sinu_pos`` after loading. ``num_warps`` and ``maxnreg`` (a register cap) override the tuned launch (for
+    tuning sweeps)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
+    sinu_args, rotate = _rotary_args(sinu_pos, rotate, q)
+    if rotate:
+        q, k, v = (pair_aligned(t) for t in (q, k, v))
     out = new_output(q)
     if block_seq.numel() == 0:
         return out
-    cfg = kernel_config(block_size, d, backward=False)
+    cfg = kernel_config(block_size, d, backward=False, rotary=bool(rotate))
     grid = (block_seq.numel() * hq,)
     _block_attention_fwd_kernel[grid](
-        q, k, v, out, block_seq, block_cum, offsets,
+        q, k, v, out, sinu_args[0], block_seq, block_cum, offsets,
         offsets.numel() - 1, n, d, scale * _LOG2E,
-        *_strides(q, k, v, out),
+        *_strides(q, k, v, out), *sinu_args[1:],
         NUM_Q_HEADS=hq, GROUP=hq // hkv, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
-        DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or _num_warps(block_size), num_stages=1, **_register_cap(maxnreg),
+        DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate,
+        num_warps=num_warps or _num_warps(block_size), num_stages=1, **_register_cap(maxnreg or cfg["MAXNREG"]),
     )
     return out
 
@@ -364,38 +527,54 @@ def block_attention_bwd_triton(
     block_seq: torch.Tensor,
     block_size: int,
     scale: float,
+    sinu_pos: torch.Tensor | None = None,
+    rotate: int = 0,
     *,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_warps: int | None = None,
     maxnreg: int | None = None,
     slices_per_program: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel; returns ``(dq, dk, dv)`` in the inputs' dtypes. ``num_warps``, ``maxnreg`` and
-    ``slices_per_program`` override the tuned choices (for tuning sweeps; the last must be 1 under GQA, and
-    giving it selects the one-block-per-program kernel)."""
+    """Launch the backward kernel; returns ``(dq, dk, dv)`` in the inputs' dtypes, the gradients of the unrotated
+    inputs. ``grads`` are the tensors to write them into (views of one packed buffer, say); new ones by default.
+    ``num_warps``, ``maxnreg`` and ``slices_per_program`` override the tuned choices (for tuning sweeps; the last
+    must be 1 under GQA, and giving it selects the one-block-per-program kernel)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
-    dq, dk, dv = new_output(q), new_output(k), new_output(v)
+    sinu_args, rotate = _rotary_args(sinu_pos, rotate, q)
+    if rotate:
+        q, k, v, grad_out = (pair_aligned(t) for t in (q, k, v, grad_out))
+    if grads is None:
+        grads = (new_output(q), new_output(k), new_output(v))
+    elif rotate and any(pair_aligned(g) is not g for g in grads):
+        raise ValueError("grads must have stride 1 along head_dim and even strides when a rotary is fused")
+    dq, dk, dv = grads
     if block_seq.numel() == 0:
         return dq, dk, dv
     group = hq // hkv
-    cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size())
+    cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
+                        rotary=bool(rotate))
     common = dict(BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
-                  DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or _num_warps(block_size),
-                  num_stages=1, **_register_cap(maxnreg))
-    tensors = (q, k, v, grad_out, dq, dk, dv, block_seq, block_cum, offsets)
+                  DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate,
+                  num_warps=num_warps or _num_warps(block_size), num_stages=1,
+                  **_register_cap(maxnreg or cfg["MAXNREG"]))
+    tensors = (q, k, v, grad_out, dq, dk, dv)
+    table = (block_seq, block_cum, offsets)
     num_seqs, num_slots = offsets.numel() - 1, block_seq.numel()
-    one_layout = len({t.stride() for t in (q, k, v, grad_out, dq, dk, dv)}) == 1
+    one_layout = len({t.stride() for t in (q, k, v, dq, dk, dv)}) == 1
     if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None:
+        common.pop("ROTATE")  # never pipelined with a rotary (kernel_config)
         programs = min(num_slots * hq, _persistent_programs(q.device))
         _block_attention_bwd_persistent_kernel[(programs,)](
-            *tensors, num_seqs, num_slots, n, d, scale, scale * _LOG2E, *q.stride(),
-            NUM_HEADS=hq, PIPELINE_STAGES=cfg["PIPELINE_STAGES"], **common,
+            *tensors, *table, num_seqs, num_slots, n, d, scale, scale * _LOG2E, *q.stride(), *grad_out.stride(),
+            NUM_HEADS=hq, PIPELINE_STAGES=cfg["PIPELINE_STAGES"], DO_SHARES_LAYOUT=grad_out.stride() == q.stride(),
+            **common,
         )
         return dq, dk, dv
     slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
     grid = (num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)
     _block_attention_bwd_kernel[grid](
-        *tensors, num_seqs, n, d, scale, scale * _LOG2E, *_strides(q, k, v, grad_out, dq, dk, dv),
+        *tensors, sinu_args[0], *table, num_seqs, n, d, scale, scale * _LOG2E, *_strides(q, k, v, grad_out, dq, dk, dv), *sinu_args[1:],
         NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, **common,
     )
     return dq, dk, dv
@@ -410,12 +589,18 @@ def _gather_blocks(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> 
     return padded[torch.where(valid, rows, x.shape[0])].transpose(1, 2)
 
 
-def _scatter_blocks(blocks: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_gather_blocks`: padded rows go to a spare row ``N`` that is dropped."""
-    n = like.shape[0]
-    out = like.new_empty((n + 1, *like.shape[1:]), dtype=blocks.dtype)
-    out[torch.where(valid, rows, n).flatten()] = blocks.transpose(1, 2).flatten(0, 1)
-    return out[:n].to(like.dtype)
+def _scatter_blocks(blocks: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Inverse of :func:`_gather_blocks`, in fp32: padded rows go to a spare row ``N`` that is dropped."""
+    out = blocks.new_empty((num_tokens + 1, blocks.shape[1], blocks.shape[-1]))
+    out[torch.where(valid, rows, num_tokens).flatten()] = blocks.transpose(1, 2).flatten(0, 1)
+    return out[:num_tokens]
+
+
+def _turned(x: torch.Tensor, sinu_pos: torch.Tensor | None, on: int, inverse: bool = False) -> torch.Tensor:
+    """``x`` in fp32, rotated by ``sinu_pos`` (or turned back, ``inverse``) when ``on``."""
+    if sinu_pos is None or not on:
+        return x.float()
+    return rotary_reference(x, sinu_pos, inverse=inverse, compute_dtype=torch.float32)
 
 
 def _probs(qb: torch.Tensor, kb: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
@@ -433,12 +618,15 @@ def block_attention_fwd_torch(
     block_seq: torch.Tensor,
     block_size: int,
     scale: float,
+    sinu_pos: torch.Tensor | None = None,
+    rotate: int = 0,
 ) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
+    n, dtype, group = q.shape[0], q.dtype, q.shape[1] // k.shape[1]
+    q, k, v = (_turned(t, sinu_pos, rotate & ROTATE_BITS[name]) for name, t in zip("qkv", (q, k, v)))
     rows, valid = block_rows(offsets, block_cum, block_seq, block_size)
     qb = _gather_blocks(q, rows, valid)
     kb, vb = (_gather_blocks(t, rows, valid).repeat_interleave(group, dim=1) for t in (k, v))
-    return _scatter_blocks(_probs(qb, kb, valid, scale) @ vb, rows, valid, q)
+    return _scatter_blocks(_probs(qb, kb, valid, scale) @ vb, rows, valid, n).to(dtype)
 
 
 def block_attention_bwd_torch(
@@ -451,9 +639,14 @@ def block_attention_bwd_torch(
     block_seq: torch.Tensor,
     block_size: int,
     scale: float,
+    sinu_pos: torch.Tensor | None = None,
+    rotate: int = 0,
+    *,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    hkv = k.shape[1]
+    n, dtype, hkv = q.shape[0], q.dtype, k.shape[1]
     group = q.shape[1] // hkv
+    q, k, v = (_turned(t, sinu_pos, rotate & ROTATE_BITS[name]) for name, t in zip("qkv", (q, k, v)))
     rows, valid = block_rows(offsets, block_cum, block_seq, block_size)
     qb, dob = _gather_blocks(q, rows, valid), _gather_blocks(grad_out, rows, valid)
     kb, vb = (_gather_blocks(t, rows, valid).repeat_interleave(group, dim=1) for t in (k, v))
@@ -461,14 +654,14 @@ def block_attention_bwd_torch(
     dp = dob @ vb.transpose(-1, -2)
     ds = p * (dp - (p * dp).sum(-1, keepdim=True))
     dqb = (ds @ kb) * scale
-    dkb = (ds.transpose(-1, -2) @ qb) * scale
-    dvb = p.transpose(-1, -2) @ dob
-
-    def per_kv_head(blocks: torch.Tensor) -> torch.Tensor:
-        return blocks.unflatten(1, (hkv, group)).sum(2)
-
-    return (
-        _scatter_blocks(dqb, rows, valid, q),
-        _scatter_blocks(per_kv_head(dkb), rows, valid, k),
-        _scatter_blocks(per_kv_head(dvb), rows, valid, v),
-    )
+    dkb = ((ds.transpose(-1, -2) @ qb) * scale).unflatten(1, (hkv, group)).sum(2)
+    dvb = (p.transpose(-1, -2) @ dob).unflatten(1, (hkv, group)).sum(2)
+    results = [
+        _turned(_scatter_blocks(blocks, rows, valid, n), sinu_pos, rotate & ROTATE_BITS[name], inverse=True).to(dtype)
+        for name, blocks in zip("qkv", (dqb, dkb, dvb))
+    ]
+    if grads is None:
+        return tuple(results)
+    for grad, result in zip(grads, results):
+        grad.copy_(result)
+    return grads

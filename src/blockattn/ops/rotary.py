@@ -1,0 +1,129 @@
+"""Rotary position embedding with interleaved pairs (SPEC §2): the tile helpers the attention kernels fuse, a
+standalone kernel for ``apply_rotary``, and its launcher.
+
+``sinu_pos`` is ``[N, D]``: columns ``0 : D/2`` hold the sines and ``D/2 : D`` the cosines of the pair angles, so
+pair ``i`` (columns ``2i, 2i+1``) turns by angle ``i``. The inverse rotation (the backward) negates the sines.
+
+Each pair is read and written as one machine word (32 bits for 16-bit dtypes, 64 for fp32) and split in registers
+into an "even" and an "odd" ``[rows, D/2]`` tile: both come out in the layout of the ``[rows, D/2]`` sine and cosine
+tiles, so the rotation is elementwise, and loads and stores stay 16-byte vectors. Kernels then work on the two
+halves (two half-width products instead of one). This needs ``stride_d == 1`` and word-aligned rows
+(:func:`pair_aligned`). All arithmetic is fp32; results are stored once, in the output's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import rotary_reference
+from .tiles import tile_mask, tile_ptrs
+
+
+@triton.jit
+def pair_ptrs(base, rows, pair0, stride_n, WORD: tl.constexpr, PAIRS: tl.constexpr):
+    """``WORD`` pointers to pairs ``pair0 : pair0 + PAIRS`` of ``rows`` (columns ``2 * pair0 ...``)."""
+    row_starts = (base + rows * stride_n).to(tl.pointer_type(WORD))
+    return row_starts[:, None] + (pair0 + tl.arange(0, PAIRS))[None, :]
+
+
+@triton.jit
+def load_pairs(base, rows, pair0, stride_n, mask, PAIRS: tl.constexpr):
+    """``(even, odd)`` columns of pairs ``pair0 : pair0 + PAIRS``, each ``[rows, PAIRS]`` in the tensor's dtype.
+    The lower address is the low half of a word (little-endian)."""
+    elem_ty: tl.constexpr = base.dtype.element_ty
+    if elem_ty.primitive_bitwidth == 16:
+        words = tl.load(pair_ptrs(base, rows, pair0, stride_n, tl.uint32, PAIRS), mask=mask, other=0)
+        even = words.to(tl.uint16).to(elem_ty, bitcast=True)
+        odd = (words >> 16).to(tl.uint16).to(elem_ty, bitcast=True)
+    else:
+        words = tl.load(pair_ptrs(base, rows, pair0, stride_n, tl.uint64, PAIRS), mask=mask, other=0)
+        even = words.to(tl.uint32).to(elem_ty, bitcast=True)
+        odd = (words >> 32).to(tl.uint32).to(elem_ty, bitcast=True)
+    return even, odd
+
+
+@triton.jit
+def store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS: tl.constexpr):
+    """Store ``even``/``odd`` ``[rows, PAIRS]`` tiles (any float dtype) into the interleaved columns of ``base``."""
+    elem_ty: tl.constexpr = base.dtype.element_ty
+    if elem_ty.primitive_bitwidth == 16:
+        low = even.to(elem_ty).to(tl.uint16, bitcast=True).to(tl.uint32)
+        high = odd.to(elem_ty).to(tl.uint16, bitcast=True).to(tl.uint32)
+        tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint32, PAIRS), low | (high << 16), mask=mask)
+    else:
+        low = even.to(elem_ty).to(tl.uint32, bitcast=True).to(tl.uint64)
+        high = odd.to(elem_ty).to(tl.uint32, bitcast=True).to(tl.uint64)
+        tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint64, PAIRS), low | (high << 32), mask=mask)
+
+
+@triton.jit
+def load_angles(sinu_ptr, rows, pair0, half_dim, stride_sn, stride_sd, mask, PAIRS: tl.constexpr):
+    """fp32 ``(sin, cos)``, each ``[rows, PAIRS]``, of pairs ``pair0 : pair0 + PAIRS``."""
+    ptrs = tile_ptrs(sinu_ptr, rows, pair0, stride_sn, stride_sd, PAIRS)
+    sin = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(ptrs + half_dim * stride_sd, mask=mask, other=0.0).to(tl.float32)
+    return sin, cos
+
+
+@triton.jit
+def rotate(even, odd, sin, cos, INVERSE: tl.constexpr):
+    """Turn each pair ``(even, odd)`` by its angle (by the opposite angle if ``INVERSE``); fp32 results."""
+    even = even.to(tl.float32)
+    odd = odd.to(tl.float32)
+    if INVERSE:
+        sin = -sin
+    return even * cos - odd * sin, odd * cos + even * sin
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr, sinu_ptr, y_ptr,
+    num_tokens, num_heads, head_dim,
+    stride_xn, stride_xh, stride_yn, stride_yh, stride_sn, stride_sd,
+    BLOCK_ROWS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr, INVERSE: tl.constexpr,
+):
+    # One program per BLOCK_ROWS tokens, all heads: the angles are read once and reused by every head.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    half = head_dim // 2
+    mask = tile_mask(rows < num_tokens, 0, half, PAIRS, EVEN_D)
+    sin, cos = load_angles(sinu_ptr, rows, 0, half, stride_sn, stride_sd, mask, PAIRS)
+    for head in range(num_heads):
+        even, odd = load_pairs(x_ptr + head * stride_xh, rows, 0, stride_xn, mask, PAIRS)
+        even, odd = rotate(even, odd, sin, cos, INVERSE)
+        store_pairs(y_ptr + head * stride_yh, rows, 0, stride_yn, even, odd, mask, PAIRS)
+
+
+def pair_aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` if its pairs can be read as words (``stride_d == 1``, even strides, aligned start), else a copy."""
+    word_bytes = 2 * x.element_size()
+    aligned = (x.stride(-1) == 1 and all(s % 2 == 0 for s in x.stride()[:-1])
+               and x.data_ptr() % word_bytes == 0)
+    return x if aligned else x.contiguous()
+
+
+def new_output(like: torch.Tensor) -> torch.Tensor:
+    """Allocation of the kernel's output (one place, so tests can poison it)."""
+    return torch.empty_like(like)
+
+
+def rotary_triton(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """``[N, H, D]`` rotated by ``sinu_pos`` (or by the opposite angles), in ``x``'s dtype."""
+    n, h, d = x.shape
+    x = pair_aligned(x)
+    y = new_output(x)
+    if y.numel() == 0:
+        return y
+    pairs = triton.next_power_of_2(d // 2)
+    block_rows = max(1, 2048 // pairs)
+    _rotary_kernel[(triton.cdiv(n, block_rows),)](
+        x, sinu_pos, y, n, h, d, x.stride(0), x.stride(1), y.stride(0), y.stride(1), *sinu_pos.stride(),
+        BLOCK_ROWS=block_rows, PAIRS=pairs, EVEN_D=2 * pairs == d, INVERSE=inverse, num_warps=4,
+    )
+    return y
+
+
+def rotary_torch(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The CPU path: the reference formula in fp32, in ``x``'s dtype."""
+    return rotary_reference(x, sinu_pos, inverse=inverse, compute_dtype=torch.float32).to(x.dtype)

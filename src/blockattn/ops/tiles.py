@@ -1,0 +1,30 @@
+"""Tile addressing shared by the kernels: pointers, masks and stores of ``[rows, CHUNK]`` tiles of ``[N, ..., D]``
+tensors."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_ptrs(base, rows, col0, stride_n, stride_d, CHUNK: tl.constexpr):
+    cols = col0 + tl.arange(0, CHUNK)
+    return base + rows[:, None] * stride_n + cols[None, :] * stride_d
+
+
+@triton.jit
+def store_tile(base, rows, col0, stride_n, stride_d, value, mask, CHUNK: tl.constexpr):
+    tl.store(tile_ptrs(base, rows, col0, stride_n, stride_d, CHUNK), value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def tile_mask(row_ok, col0, width, CHUNK: tl.constexpr, EVEN: tl.constexpr):
+    """Rows in ``row_ok`` and columns ``col0 + j < width``; ``EVEN`` promises every column is in range."""
+    if EVEN:
+        # Constant along the row, so loads under this mask stay 16-byte vectorised.
+        mask = tl.broadcast_to(row_ok[:, None], (row_ok.shape[0], CHUNK))
+    else:
+        cols = col0 + tl.arange(0, CHUNK)
+        mask = row_ok[:, None] & (cols < width)[None, :]
+    return mask
