@@ -19,6 +19,7 @@ from conftest import (
 )
 
 import blockattn
+from blockattn.layout import rotate_mask
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -176,7 +177,7 @@ def test_fused_rotary_accuracy_contract(rotate, dtype, block_size, head_dim, poi
     """SPEC §5 for rotary + attention: 2x PyTorch's same-precision error (rotary then attention), bf16 SNR."""
     q, k, v, do, offsets = random_inputs(random_lengths(6, 300, block_size), 3, 3, head_dim, dtype, "cuda")
     sinu_pos = random_angles(q.shape[0], head_dim, dtype, "cuda")
-    mask = sum({"q": 1, "k": 2, "v": 4}[name] for name in rotate)
+    mask = rotate_mask(rotate)
     results = public_op(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=rotate)
     assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=mask)
     exact = reference_grads(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=mask)

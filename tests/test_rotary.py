@@ -15,19 +15,20 @@ from conftest import (
     random_angles,
     random_inputs,
     reference_grads,
+    rotated_reference,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockattn
 from blockattn.custom_ops import split_heads
-from blockattn.layout import ROTATE_BITS, block_table
+from blockattn.layout import ROTATE_BITS, block_table, rotate_mask
 from blockattn.ops import block_attention as impl
 from blockattn.ops import rotary as rotary_impl
 from blockattn.reference import block_attention_reference, rotary_reference
 
 # Every subset of q, k, v as a ROTATE mask, with readable ids.
-ROTATE_MASKS = [sum(ROTATE_BITS[n] for n in names) for names in ("qkv", "qk", "q", "k", "v", "")]
+ROTATE_MASKS = [rotate_mask(tuple(names)) for names in ("qkv", "qk", "q", "k", "v", "")]
 ROTATE_IDS = ["qkv", "qk", "q", "k", "v", "none"]
 # Triton's interpreter gets bf16 wrong (tl.dot returns garbage, conversions truncate instead of rounding): bf16
 # kernels are tested on the GPU only.
@@ -169,7 +170,7 @@ def test_block_attention_sinu_pos_autograd_cpu(rotate):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = blockattn.block_attention(*leaves, offsets, block_size=32, sinu_pos=sinu_pos, rotate=rotate)
     out.backward(do)
-    mask = sum(ROTATE_BITS[name] for name in rotate)
+    mask = rotate_mask(rotate)
     exact = reference_grads(q, k, v, do, offsets, 32, sinu_pos=sinu_pos, rotate=mask)
     for got, ref in zip([out, *(t.grad for t in leaves)], exact):
         torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-4)
@@ -189,9 +190,7 @@ def qkv_reference(x, w, bias, offsets, hq, hkv, sinu_pos, rotate, block_size, co
     """Projection -> rotary -> reference attention in ``compute_dtype``; returns out and the leaves (x, w, bias)."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (x, w, bias)]
     qkv = leaves[0] @ leaves[1] + leaves[2]
-    q, k, v = split_heads(qkv, hq, hkv)
-    q, k, v = (rotary_reference(t, sinu_pos, compute_dtype=compute_dtype) if rotate & ROTATE_BITS[name] else t
-               for name, t in zip("qkv", (q, k, v)))
+    q, k, v = rotated_reference(split_heads(qkv, hq, hkv), sinu_pos, rotate, compute_dtype)
     out = block_attention_reference(q, k, v, offsets, block_size=block_size, compute_dtype=compute_dtype)
     return out, leaves, qkv
 

@@ -126,12 +126,13 @@ def _validate_projection(x, w, bias, num_heads, num_kv_heads) -> None:
     if w.dim() != 2 or w.shape[0] != x.shape[1] or w.shape[1] % num_all != 0:
         raise ValueError(f"w must be [d_model, (num_heads + 2 * num_kv_heads) * head_dim] = [{x.shape[1]}, "
                          f"{num_all} * head_dim], got {tuple(w.shape)}")
-    tensors = [("w", w)] + ([] if bias is None else [("bias", bias)])
-    for name, t in tensors[1:]:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t.shape != (w.shape[1],):
-            raise ValueError(f"bias must be 1-D [{w.shape[1]}] (one per projected column), got {tuple(t.shape)}")
+    tensors = [("w", w)]
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.shape != (w.shape[1],):
+            raise ValueError(f"bias must be 1-D [{w.shape[1]}] (one per projected column), got {tuple(bias.shape)}")
+        tensors.append(("bias", bias))
     for name, t in tensors:
         if t.dtype != x.dtype:
             raise TypeError(f"{name} must have the dtype of x ({x.dtype}), got {t.dtype}")

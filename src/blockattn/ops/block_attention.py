@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..layout import ROTATE_BITS, block_rows
 from ..reference import rotary_reference
-from .rotary import load_angles, load_pairs, pair_aligned, rotate, store_pairs
+from .rotary import load_angles, load_pairs, pair_aligned, pairs_readable, rotate, store_pairs
 from .tiles import store_tile, tile_mask, tile_ptrs
 
 _LOG2E = 1.4426950408889634
@@ -546,7 +546,7 @@ def block_attention_bwd_triton(
         q, k, v, grad_out = (pair_aligned(t) for t in (q, k, v, grad_out))
     if grads is None:
         grads = (new_output(q), new_output(k), new_output(v))
-    elif rotate and any(pair_aligned(g) is not g for g in grads):
+    elif rotate and not all(pairs_readable(g) for g in grads):
         raise ValueError("grads must have stride 1 along head_dim and even strides when a rotary is fused")
     dq, dk, dv = grads
     if block_seq.numel() == 0:
@@ -555,7 +555,7 @@ def block_attention_bwd_triton(
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
                         rotary=bool(rotate))
     common = dict(BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
-                  DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate,
+                  DOT_PRECISION=_dot_precision(q.dtype),
                   num_warps=num_warps or _num_warps(block_size), num_stages=1,
                   **_register_cap(maxnreg or cfg["MAXNREG"]))
     tensors = (q, k, v, grad_out, dq, dk, dv)
@@ -563,7 +563,6 @@ def block_attention_bwd_triton(
     num_seqs, num_slots = offsets.numel() - 1, block_seq.numel()
     one_layout = len({t.stride() for t in (q, k, v, dq, dk, dv)}) == 1
     if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None:
-        common.pop("ROTATE")  # never pipelined with a rotary (kernel_config)
         programs = min(num_slots * hq, _persistent_programs(q.device))
         _block_attention_bwd_persistent_kernel[(programs,)](
             *tensors, *table, num_seqs, num_slots, n, d, scale, scale * _LOG2E, *q.stride(), *grad_out.stride(),
@@ -575,7 +574,8 @@ def block_attention_bwd_triton(
     grid = (num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)
     _block_attention_bwd_kernel[grid](
         *tensors, sinu_args[0], *table, num_seqs, n, d, scale, scale * _LOG2E, *_strides(q, k, v, grad_out, dq, dk, dv), *sinu_args[1:],
-        NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, **common,
+        NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
+        **common,
     )
     return dq, dk, dv
 
@@ -603,6 +603,11 @@ def _turned(x: torch.Tensor, sinu_pos: torch.Tensor | None, on: int, inverse: bo
     return rotary_reference(x, sinu_pos, inverse=inverse, compute_dtype=torch.float32)
 
 
+def _turned_inputs(q, k, v, sinu_pos, rotate: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v in fp32, the ones named by the ``rotate`` mask rotated."""
+    return tuple(_turned(t, sinu_pos, rotate & ROTATE_BITS[name]) for name, t in zip("qkv", (q, k, v)))
+
+
 def _probs(qb: torch.Tensor, kb: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
     scores = (qb @ kb.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -622,7 +627,7 @@ def block_attention_fwd_torch(
     rotate: int = 0,
 ) -> torch.Tensor:
     n, dtype, group = q.shape[0], q.dtype, q.shape[1] // k.shape[1]
-    q, k, v = (_turned(t, sinu_pos, rotate & ROTATE_BITS[name]) for name, t in zip("qkv", (q, k, v)))
+    q, k, v = _turned_inputs(q, k, v, sinu_pos, rotate)
     rows, valid = block_rows(offsets, block_cum, block_seq, block_size)
     qb = _gather_blocks(q, rows, valid)
     kb, vb = (_gather_blocks(t, rows, valid).repeat_interleave(group, dim=1) for t in (k, v))
@@ -646,7 +651,7 @@ def block_attention_bwd_torch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, dtype, hkv = q.shape[0], q.dtype, k.shape[1]
     group = q.shape[1] // hkv
-    q, k, v = (_turned(t, sinu_pos, rotate & ROTATE_BITS[name]) for name, t in zip("qkv", (q, k, v)))
+    q, k, v = _turned_inputs(q, k, v, sinu_pos, rotate)
     rows, valid = block_rows(offsets, block_cum, block_seq, block_size)
     qb, dob = _gather_blocks(q, rows, valid), _gather_blocks(grad_out, rows, valid)
     kb, vb = (_gather_blocks(t, rows, valid).repeat_interleave(group, dim=1) for t in (k, v))

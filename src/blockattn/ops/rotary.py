@@ -95,12 +95,15 @@ def _rotary_kernel(
         store_pairs(y_ptr + head * stride_yh, rows, 0, stride_yn, even, odd, mask, PAIRS)
 
 
+def pairs_readable(x: torch.Tensor) -> bool:
+    """Whether ``x``'s pairs can be read as words: ``stride_d == 1``, even strides, a word-aligned start."""
+    return (x.stride(-1) == 1 and all(s % 2 == 0 for s in x.stride()[:-1])
+            and x.data_ptr() % (2 * x.element_size()) == 0)
+
+
 def pair_aligned(x: torch.Tensor) -> torch.Tensor:
-    """``x`` if its pairs can be read as words (``stride_d == 1``, even strides, aligned start), else a copy."""
-    word_bytes = 2 * x.element_size()
-    aligned = (x.stride(-1) == 1 and all(s % 2 == 0 for s in x.stride()[:-1])
-               and x.data_ptr() % word_bytes == 0)
-    return x if aligned else x.contiguous()
+    """``x`` if :func:`pairs_readable`, else a contiguous copy."""
+    return x if pairs_readable(x) else x.contiguous()
 
 
 def new_output(like: torch.Tensor) -> torch.Tensor:
