@@ -172,7 +172,7 @@ def test_bad_offsets_trip_device_assert():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 64, 128])
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
-@pytest.mark.parametrize("rotate", [("q", "k", "v"), ("q", "k")], ids=["qkv", "qk"])
+@pytest.mark.parametrize("rotate", [("q", "k", "v"), ("q", "k"), ("v",)], ids=["qkv", "qk", "v"])
 def test_fused_rotary_accuracy_contract(rotate, dtype, block_size, head_dim, poisoned_outputs):
     """SPEC §5 for rotary + attention: 2x PyTorch's same-precision error (rotary then attention), bf16 SNR."""
     q, k, v, do, offsets = random_inputs(random_lengths(6, 300, block_size), 3, 3, head_dim, dtype, "cuda")
@@ -183,6 +183,15 @@ def test_fused_rotary_accuracy_contract(rotate, dtype, block_size, head_dim, poi
     exact = reference_grads(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=mask)
     for name, got, ref, floor in zip(("out", "dq", "dk", "dv"), results, exact, (40, 45, 45, 45)):
         assert snr_db(got, ref) > floor, f"{name}: SNR {snr_db(got, ref):.1f} dB"
+
+
+@pytest.mark.parametrize("head_dim", [40, 128])
+def test_fused_rotary_float32(head_dim, poisoned_outputs):
+    """fp32 tensors: pairs read as 64-bit words, true fp32 products."""
+    q, k, v, do, offsets = random_inputs(random_lengths(5, 200, 64), 2, 2, head_dim, torch.float32, "cuda")
+    sinu_pos = random_angles(q.shape[0], head_dim, torch.float32, "cuda")
+    results = public_op(q, k, v, do, offsets, 64, sinu_pos=sinu_pos)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=7)
 
 
 @pytest.mark.parametrize("heads", [(8, 1), (4, 2)])

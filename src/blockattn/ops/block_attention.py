@@ -24,7 +24,18 @@ import triton.language as tl
 
 from ..layout import ROTATE_BITS, block_rows
 from ..reference import rotary_reference
-from .rotary import load_angles, load_pairs, pair_aligned, pairs_readable, rotate, store_pairs
+from .rotary import (
+    fence,
+    inline_asm,
+    load_angles,
+    load_words,
+    pair_aligned,
+    pairs_readable,
+    rotate,
+    split_words,
+    store_pairs,
+    unpack_words,
+)
 from .tiles import store_tile, tile_mask, tile_ptrs
 
 _LOG2E = 1.4426950408889634
@@ -42,8 +53,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
 
     With a fused rotary the kernels work on pair halves, which must be at least 16 wide for the tensor cores:
     slices are at least 32 columns. Measured on an H100 at the `ads-rotary` shape (docs/benchmarks.md): the
-    persistent backward loses there (1.69x its floor against 1.34x for one whole-row block per program), and a
-    register cap of 168 takes the forward from 1.37x to 1.20x (other caps and 8 warps were worse).
+    persistent backward loses there (1.72x its floor against 1.30x for one whole-row block per program), as do
+    8 warps and register caps in either pass.
     """
     min_width = 32 if rotary else 16
     block_d = max(min_width, triton.next_power_of_2(head_dim))
@@ -57,7 +68,6 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "NUM_CHUNKS": triton.cdiv(block_d, chunk),
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
-        "MAXNREG": 168 if rotary and not backward and block_size == 64 and block_d == 128 else None,
     }
 
 
@@ -97,24 +107,27 @@ def _softmax_probs(scores, col_ok, qk_scale_log2):
 
 
 @triton.jit
-def _load_rotated(base, rows, pair0, stride_n, mask, sin, cos, ON: tl.constexpr, PAIRS: tl.constexpr):
-    """An operand's ``(even, odd)`` pair halves, rotated (in fp32, rounded back to its dtype, as an unfused rotary
-    would have stored it) when ``ON``."""
-    even, odd = load_pairs(base, rows, pair0, stride_n, mask, PAIRS)
+def _operand_halves(words, sin, cos, ON: tl.constexpr, ELEM: tl.constexpr, FENCE: tl.constexpr):
+    """A product operand's ``(even, odd)`` pair halves from its words, rotated (in fp32, rounded back to ``ELEM``, as
+    an unfused rotary would have stored it) when ``ON``. ``FENCE`` (NVIDIA GPUs) keeps the rotation in the load's
+    layout (``rotary.fence``)."""
     if ON:
+        even, odd = unpack_words(words, ELEM)
         even, odd = rotate(even, odd, sin, cos, False)
-        even = even.to(base.dtype.element_ty)
-        odd = odd.to(base.dtype.element_ty)
-    return even, odd
+        even = even.to(ELEM)
+        odd = odd.to(ELEM)
+    else:
+        even, odd = split_words(words, ELEM)
+    return fence(even, FENCE), fence(odd, FENCE)
 
 
 @triton.jit
 def _store_unrotated(base, rows, pair0, stride_n, even, odd, mask, sin, cos, ON: tl.constexpr,
-                     PAIRS: tl.constexpr):
+                     PAIRS: tl.constexpr, INLINE_ASM: tl.constexpr):
     """Store the gradient of an operand, turned back (``sin -> -sin``, fp32) when the operand was rotated."""
     if ON:
         even, odd = rotate(even, odd, sin, cos, True)
-    store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS)
+    store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS, INLINE_ASM)
 
 
 @triton.jit
@@ -128,25 +141,35 @@ def _pair_dot(a_even, a_odd, b_even, b_odd, acc, DOT_PRECISION: tl.constexpr):
 def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, head_dim, qk_scale_log2,
                       stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd,
                       BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-                      EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr):
+                      EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr,
+                      INLINE_ASM: tl.constexpr):
     """The forward of one (block, head) on pair halves, the operands named by ROTATE turned after loading."""
     PAIRS: tl.constexpr = CHUNK // 2
+    elem_ty: tl.constexpr = q_base.dtype.element_ty
     half = head_dim // 2
     scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
+        q_words = load_words(q_base, rows, c * PAIRS, stride_qn, mask, PAIRS)
+        k_words = load_words(k_base, rows, c * PAIRS, stride_kn, mask, PAIRS)
+        if NUM_CHUNKS == 1:
+            # v with q and k (or after the softmax): issued in between, while q k^T runs, costs 1.17x the floor
+            # against 0.99x on `ads-rotary` (H100)
+            v_words = load_words(v_base, rows, 0, stride_vn, mask, PAIRS)
         sin, cos = load_angles(sinu_ptr, rows, c * PAIRS, half, stride_sn, stride_sd, mask, PAIRS)
-        q_even, q_odd = _load_rotated(q_base, rows, c * PAIRS, stride_qn, mask, sin, cos, ROTATE & 1, PAIRS)
-        k_even, k_odd = _load_rotated(k_base, rows, c * PAIRS, stride_kn, mask, sin, cos, ROTATE & 2, PAIRS)
+        q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE & 1, elem_ty, INLINE_ASM)
+        k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE & 2, elem_ty, INLINE_ASM)
         scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
-    p = _softmax_probs(scores, row_ok, qk_scale_log2).to(q_base.dtype.element_ty)
+    p = _softmax_probs(scores, row_ok, qk_scale_log2).to(elem_ty)
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
-        sin, cos = load_angles(sinu_ptr, rows, c * PAIRS, half, stride_sn, stride_sd, mask, PAIRS)
-        v_even, v_odd = _load_rotated(v_base, rows, c * PAIRS, stride_vn, mask, sin, cos, ROTATE & 4, PAIRS)
+        if NUM_CHUNKS > 1:  # else v and the angles come from the first loop
+            sin, cos = load_angles(sinu_ptr, rows, c * PAIRS, half, stride_sn, stride_sd, mask, PAIRS)
+            v_words = load_words(v_base, rows, c * PAIRS, stride_vn, mask, PAIRS)
+        v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE & 4, elem_ty, False)
         o_even = tl.dot(p, v_even, input_precision=DOT_PRECISION)
         o_odd = tl.dot(p, v_odd, input_precision=DOT_PRECISION)
-        store_pairs(o_base, rows, c * PAIRS, stride_on, o_even, o_odd, mask, PAIRS)
+        store_pairs(o_base, rows, c * PAIRS, stride_on, o_even, o_odd, mask, PAIRS, INLINE_ASM)
 
 
 @triton.jit
@@ -161,7 +184,7 @@ def _block_attention_fwd_kernel(
     stride_sn, stride_sd,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROTATE: tl.constexpr,
+    ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr,
 ):
     # Heads vary fastest so that the programs of one block (which share its rows, and k/v under GQA) run together.
     # ROTATE is a bit mask (q 1, k 2, v 4) of the operands turned by the rotary angles right after their load.
@@ -183,7 +206,7 @@ def _block_attention_fwd_kernel(
     if ROTATE != 0:
         _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, head_dim, qk_scale_log2,
                           stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd,
-                          BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE)
+                          BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE, INLINE_ASM)
         return
     scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
@@ -217,21 +240,29 @@ def _bwd_slice_products(q_base, k_base, v_base, do_base, rows, row_ok, col0, hea
 
 
 @triton.jit
-def _grad_scores(p, dp, dtype):
-    """``dS = P * (dP - rowsum(P * dP))``: ``Di`` from the tile itself, no preprocessing pass and no ``o`` read."""
-    return (p * (dp - tl.sum(p * dp, axis=1)[:, None])).to(dtype)
+def _grad_scores(p, dp, dtype, scale):
+    """``dS = P * (dP - rowsum(P * dP))``, times ``scale``: ``Di`` from the tile itself, no preprocessing pass and no
+    ``o`` read."""
+    return (p * (dp - tl.sum(p * dp, axis=1)[:, None]) * scale).to(dtype)
 
 
 @triton.jit
 def _bwd_rotary_slice(q_base, k_base, v_base, do_base, sinu_ptr, rows, pair0, half, mask,
                       stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd,
-                      PAIRS: tl.constexpr, ROTATE: tl.constexpr):
+                      PAIRS: tl.constexpr, ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr):
     """One slice's angles and pair halves of the (rotated) q, k, v and of dO."""
+    # Each operand rotated right after its load, all fenced: 1.24x the floor on `ads-rotary` (H100), against 1.30x
+    # with the four loads first and only the left-hand operands fenced.
+    elem_ty: tl.constexpr = q_base.dtype.element_ty
     sin, cos = load_angles(sinu_ptr, rows, pair0, half, stride_sn, stride_sd, mask, PAIRS)
-    q_even, q_odd = _load_rotated(q_base, rows, pair0, stride_qn, mask, sin, cos, ROTATE & 1, PAIRS)
-    k_even, k_odd = _load_rotated(k_base, rows, pair0, stride_kn, mask, sin, cos, ROTATE & 2, PAIRS)
-    v_even, v_odd = _load_rotated(v_base, rows, pair0, stride_vn, mask, sin, cos, ROTATE & 4, PAIRS)
-    do_even, do_odd = load_pairs(do_base, rows, pair0, stride_don, mask, PAIRS)
+    q_words = load_words(q_base, rows, pair0, stride_qn, mask, PAIRS)
+    q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE & 1, elem_ty, INLINE_ASM)
+    k_words = load_words(k_base, rows, pair0, stride_kn, mask, PAIRS)
+    k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE & 2, elem_ty, INLINE_ASM)
+    v_words = load_words(v_base, rows, pair0, stride_vn, mask, PAIRS)
+    v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE & 4, elem_ty, INLINE_ASM)
+    do_words = load_words(do_base, rows, pair0, stride_don, mask, PAIRS)
+    do_even, do_odd = _operand_halves(do_words, sin, cos, 0, elem_ty, INLINE_ASM)
     return sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd
 
 
@@ -242,8 +273,9 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
                       stride_dkn, stride_dvn, stride_sn, stride_sd,
                       GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SLICES_PER_PROGRAM: tl.constexpr,
-                      ROTATE: tl.constexpr):
-    """``_block_attention_bwd_kernel``'s program on pair halves: GQA and head-dim slices, rotated operands."""
+                      ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr):
+    """``_block_attention_bwd_kernel``'s program on pair halves: GQA and head-dim slices, rotated operands. The
+    softmax scale is folded into dS (one multiply per score instead of one per gradient element)."""
     PAIRS: tl.constexpr = CHUNK // 2
     half = head_dim // 2
     dk_even = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
@@ -256,48 +288,58 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
         do_base = do_ptr + head * stride_doh
         scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
         dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
-        for c in range(NUM_CHUNKS):
-            mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
+        if NUM_CHUNKS == 1:
+            mask = tile_mask(row_ok, 0, half, PAIRS, EVEN_D)
             sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
-                q_base, k_base, v_base, do_base, sinu_ptr, rows, c * PAIRS, half, mask,
-                stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE)
+                q_base, k_base, v_base, do_base, sinu_ptr, rows, 0, half, mask,
+                stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE, INLINE_ASM)
             scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
             dp = _pair_dot(do_even, do_odd, v_even, v_odd, dp, DOT_PRECISION)
+        else:
+            for c in range(NUM_CHUNKS):
+                mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
+                sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
+                    q_base, k_base, v_base, do_base, sinu_ptr, rows, c * PAIRS, half, mask,
+                    stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE, INLINE_ASM)
+                scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
+                dp = _pair_dot(do_even, do_odd, v_even, v_odd, dp, DOT_PRECISION)
         p = _softmax_probs(scores, row_ok, qk_scale_log2)
-        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty)
+        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty, scale)
         p = p.to(q_ptr.dtype.element_ty)
         for i in range(SLICES_PER_PROGRAM):
             pair0 = (first_slice + i) * PAIRS
             mask = tile_mask(row_ok, pair0, half, PAIRS, EVEN_D)
-            # The slice again (an L1/L2 hit): holding every slice would spill registers.
-            sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
-                q_base, k_base, v_base, do_base, sinu_ptr, rows, pair0, half, mask,
-                stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE & 3)
+            if NUM_CHUNKS > 1:
+                # The slice again (an L1/L2 hit): holding every slice would spill registers.
+                sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
+                    q_base, k_base, v_base, do_base, sinu_ptr, rows, pair0, half, mask,
+                    stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE & 3, INLINE_ASM)
             if GROUP == 1:
                 _store_unrotated(dv_base, rows, pair0, stride_dvn,
                                  tl.dot(tl.trans(p), do_even, input_precision=DOT_PRECISION),
                                  tl.dot(tl.trans(p), do_odd, input_precision=DOT_PRECISION),
-                                 mask, sin, cos, ROTATE & 4, PAIRS)
+                                 mask, sin, cos, ROTATE & 4, PAIRS, INLINE_ASM)
                 _store_unrotated(dk_base, rows, pair0, stride_dkn,
-                                 tl.dot(tl.trans(ds), q_even, input_precision=DOT_PRECISION) * scale,
-                                 tl.dot(tl.trans(ds), q_odd, input_precision=DOT_PRECISION) * scale,
-                                 mask, sin, cos, ROTATE & 2, PAIRS)
+                                 tl.dot(tl.trans(ds), q_even, input_precision=DOT_PRECISION),
+                                 tl.dot(tl.trans(ds), q_odd, input_precision=DOT_PRECISION),
+                                 mask, sin, cos, ROTATE & 2, PAIRS, INLINE_ASM)
             else:
                 dv_even = tl.dot(tl.trans(p), do_even, dv_even, input_precision=DOT_PRECISION)
                 dv_odd = tl.dot(tl.trans(p), do_odd, dv_odd, input_precision=DOT_PRECISION)
                 dk_even = tl.dot(tl.trans(ds), q_even, dk_even, input_precision=DOT_PRECISION)
                 dk_odd = tl.dot(tl.trans(ds), q_odd, dk_odd, input_precision=DOT_PRECISION)
             _store_unrotated(dq_ptr + head * stride_dqh, rows, pair0, stride_dqn,
-                             tl.dot(ds, k_even, input_precision=DOT_PRECISION) * scale,
-                             tl.dot(ds, k_odd, input_precision=DOT_PRECISION) * scale,
-                             mask, sin, cos, ROTATE & 1, PAIRS)
+                             tl.dot(ds, k_even, input_precision=DOT_PRECISION),
+                             tl.dot(ds, k_odd, input_precision=DOT_PRECISION),
+                             mask, sin, cos, ROTATE & 1, PAIRS, INLINE_ASM)
     if GROUP > 1:
         pair0 = first_slice * PAIRS
         mask = tile_mask(row_ok, pair0, half, PAIRS, EVEN_D)
         sin, cos = load_angles(sinu_ptr, rows, pair0, half, stride_sn, stride_sd, mask, PAIRS)
-        _store_unrotated(dv_base, rows, pair0, stride_dvn, dv_even, dv_odd, mask, sin, cos, ROTATE & 4, PAIRS)
-        _store_unrotated(dk_base, rows, pair0, stride_dkn, dk_even * scale, dk_odd * scale, mask, sin, cos,
-                         ROTATE & 2, PAIRS)
+        _store_unrotated(dv_base, rows, pair0, stride_dvn, dv_even, dv_odd, mask, sin, cos, ROTATE & 4, PAIRS,
+                         INLINE_ASM)
+        _store_unrotated(dk_base, rows, pair0, stride_dkn, dk_even, dk_odd, mask, sin, cos, ROTATE & 2, PAIRS,
+                         INLINE_ASM)
 
 
 @triton.jit
@@ -315,7 +357,7 @@ def _block_attention_bwd_kernel(
     stride_sn, stride_sd,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLICES_PER_PROGRAM: tl.constexpr, ROTATE: tl.constexpr,
+    SLICES_PER_PROGRAM: tl.constexpr, ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr,
 ):
     # Each program owns SLICES_PER_PROGRAM of the NUM_CHUNKS head-dim slices of one (block, kv head): it recomputes
     # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
@@ -343,7 +385,8 @@ def _block_attention_bwd_kernel(
                           first_slice, head_dim, scale, qk_scale_log2,
                           stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
                           stride_dkn, stride_dvn, stride_sn, stride_sd,
-                          GROUP, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, SLICES_PER_PROGRAM, ROTATE)
+                          GROUP, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, SLICES_PER_PROGRAM, ROTATE,
+                          INLINE_ASM)
         return
 
     dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
@@ -366,7 +409,7 @@ def _block_attention_bwd_kernel(
                     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
                     CHUNK, EVEN_D, DOT_PRECISION)
         p = _softmax_probs(scores, row_ok, qk_scale_log2)
-        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty)
+        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty, 1.0)
         p = p.to(q_ptr.dtype.element_ty)
         for i in range(SLICES_PER_PROGRAM):
             col0 = (first_slice + i) * CHUNK
@@ -431,7 +474,7 @@ def _block_attention_bwd_persistent_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         p = _softmax_probs(scores, row_ok, qk_scale_log2)
-        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty)
+        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty, 1.0)
         p = p.to(q_ptr.dtype.element_ty)
         tl.store(dv_ptr + tile, tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION).to(dv_ptr.dtype.element_ty),
                  mask=mask)
@@ -511,8 +554,8 @@ def block_attention_fwd_triton(
         *_strides(q, k, v, out), *sinu_args[1:],
         NUM_Q_HEADS=hq, GROUP=hq // hkv, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
-        DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate,
-        num_warps=num_warps or _num_warps(block_size), num_stages=1, **_register_cap(maxnreg or cfg["MAXNREG"]),
+        DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q),
+        num_warps=num_warps or _num_warps(block_size), num_stages=1, **_register_cap(maxnreg),
     )
     return out
 
@@ -557,7 +600,7 @@ def block_attention_bwd_triton(
     common = dict(BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
                   DOT_PRECISION=_dot_precision(q.dtype),
                   num_warps=num_warps or _num_warps(block_size), num_stages=1,
-                  **_register_cap(maxnreg or cfg["MAXNREG"]))
+                  **_register_cap(maxnreg))
     tensors = (q, k, v, grad_out, dq, dk, dv)
     table = (block_seq, block_cum, offsets)
     num_seqs, num_slots = offsets.numel() - 1, block_seq.numel()
@@ -575,7 +618,7 @@ def block_attention_bwd_triton(
     _block_attention_bwd_kernel[grid](
         *tensors, sinu_args[0], *table, num_seqs, n, d, scale, scale * _LOG2E, *_strides(q, k, v, grad_out, dq, dk, dv), *sinu_args[1:],
         NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
-        **common,
+        INLINE_ASM=inline_asm(q), **common,
     )
     return dq, dk, dv
 

@@ -7,11 +7,14 @@ pair ``i`` (columns ``2i, 2i+1``) turns by angle ``i``. The inverse rotation (th
 Each pair is read and written as one machine word (32 bits for 16-bit dtypes, 64 for fp32) and split in registers
 into an "even" and an "odd" ``[rows, D/2]`` tile: both come out in the layout of the ``[rows, D/2]`` sine and cosine
 tiles, so the rotation is elementwise, and loads and stores stay 16-byte vectors. Kernels then work on the two
-halves (two half-width products instead of one). This needs ``stride_d == 1`` and word-aligned rows
+halves (two half-width products instead of one). A bf16 half becomes fp32 with one shift or mask, and on NVIDIA GPUs
+one ``cvt`` rounds two fp32 results and packs them into a word. This needs ``stride_d == 1`` and word-aligned rows
 (:func:`pair_aligned`). All arithmetic is fp32; results are stored once, in the output's dtype.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -29,33 +32,92 @@ def pair_ptrs(base, rows, pair0, stride_n, WORD: tl.constexpr, PAIRS: tl.constex
 
 
 @triton.jit
-def load_pairs(base, rows, pair0, stride_n, mask, PAIRS: tl.constexpr):
-    """``(even, odd)`` columns of pairs ``pair0 : pair0 + PAIRS``, each ``[rows, PAIRS]`` in the tensor's dtype.
-    The lower address is the low half of a word (little-endian)."""
-    elem_ty: tl.constexpr = base.dtype.element_ty
-    if elem_ty.primitive_bitwidth == 16:
+def load_words(base, rows, pair0, stride_n, mask, PAIRS: tl.constexpr):
+    """Pairs ``pair0 : pair0 + PAIRS`` of ``rows`` as ``[rows, PAIRS]`` words: uint32 for 16-bit dtypes, uint64 for
+    fp32. The lower address (the even column) is the low half (little-endian)."""
+    if base.dtype.element_ty.primitive_bitwidth == 16:
         words = tl.load(pair_ptrs(base, rows, pair0, stride_n, tl.uint32, PAIRS), mask=mask, other=0)
-        even = words.to(tl.uint16).to(elem_ty, bitcast=True)
-        odd = (words >> 16).to(tl.uint16).to(elem_ty, bitcast=True)
     else:
         words = tl.load(pair_ptrs(base, rows, pair0, stride_n, tl.uint64, PAIRS), mask=mask, other=0)
-        even = words.to(tl.uint32).to(elem_ty, bitcast=True)
-        odd = (words >> 32).to(tl.uint32).to(elem_ty, bitcast=True)
+    return words
+
+
+@triton.jit
+def split_words(words, ELEM: tl.constexpr):
+    """``(even, odd)`` halves of pair words, in the pairs' dtype ``ELEM`` (no arithmetic)."""
+    if ELEM.primitive_bitwidth == 16:
+        even = words.to(tl.uint16).to(ELEM, bitcast=True)
+        odd = (words >> 16).to(tl.uint16).to(ELEM, bitcast=True)
+    else:
+        even = words.to(tl.uint32).to(ELEM, bitcast=True)
+        odd = (words >> 32).to(tl.uint32).to(ELEM, bitcast=True)
     return even, odd
 
 
 @triton.jit
-def store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS: tl.constexpr):
+def unpack_words(words, ELEM: tl.constexpr):
+    """``(even, odd)`` halves of pair words in fp32. A bf16 is the top half of an fp32: one shift or mask each."""
+    if ELEM.is_bf16():
+        even = (words << 16).to(tl.float32, bitcast=True)
+        odd = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        even, odd = split_words(words, ELEM)
+        even = even.to(tl.float32)
+        odd = odd.to(tl.float32)
+    return even, odd
+
+
+@triton.jit
+def pack_words(even, odd, ELEM: tl.constexpr, INLINE_ASM: tl.constexpr):
+    """Pair words of ``(even, odd)`` (any float dtype) rounded to ``ELEM``. With ``INLINE_ASM`` (NVIDIA GPUs) one
+    ``cvt`` rounds and packs two fp32 at once."""
+    if ELEM.primitive_bitwidth == 16:
+        if INLINE_ASM:
+            if ELEM.is_bf16():
+                words = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
+                                                  [even.to(tl.float32), odd.to(tl.float32)], dtype=tl.uint32,
+                                                  is_pure=True, pack=1)
+            else:
+                words = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f",
+                                                  [even.to(tl.float32), odd.to(tl.float32)], dtype=tl.uint32,
+                                                  is_pure=True, pack=1)
+        else:
+            low = even.to(ELEM).to(tl.uint16, bitcast=True).to(tl.uint32)
+            high = odd.to(ELEM).to(tl.uint16, bitcast=True).to(tl.uint32)
+            words = low | (high << 16)
+    else:
+        low = even.to(ELEM).to(tl.uint32, bitcast=True).to(tl.uint64)
+        high = odd.to(ELEM).to(tl.uint32, bitcast=True).to(tl.uint64)
+        words = low | (high << 32)
+    return words
+
+
+@triton.jit
+def fence(x, INLINE_ASM: tl.constexpr):
+    """``x`` unchanged, through an opaque instruction (removed by ptxas). Triton moves a tile's conversion to the
+    tensor-core operand layout up through elementwise math to its load; a rotated operand would then be rotated in
+    that layout, with ``sin``/``cos`` converted to it through shared memory, and every such conversion waits for its
+    load before the next load is issued (H100, `ads-rotary`: the forward at 1.22x its floor unfenced, 0.99x fenced;
+    docs/benchmarks.md)."""
+    if INLINE_ASM:
+        if x.dtype.primitive_bitwidth == 16:
+            x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+        else:
+            bits = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x.to(tl.uint32, bitcast=True)],
+                                             dtype=tl.uint32, is_pure=False, pack=1)
+            x = bits.to(x.dtype, bitcast=True)
+    return x
+
+
+@triton.jit
+def store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS: tl.constexpr, INLINE_ASM: tl.constexpr):
     """Store ``even``/``odd`` ``[rows, PAIRS]`` tiles (any float dtype) into the interleaved columns of ``base``."""
     elem_ty: tl.constexpr = base.dtype.element_ty
+    words = pack_words(even, odd, elem_ty, INLINE_ASM)
     if elem_ty.primitive_bitwidth == 16:
-        low = even.to(elem_ty).to(tl.uint16, bitcast=True).to(tl.uint32)
-        high = odd.to(elem_ty).to(tl.uint16, bitcast=True).to(tl.uint32)
-        tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint32, PAIRS), low | (high << 16), mask=mask)
+        tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint32, PAIRS), words, mask=mask)
     else:
-        low = even.to(elem_ty).to(tl.uint32, bitcast=True).to(tl.uint64)
-        high = odd.to(elem_ty).to(tl.uint32, bitcast=True).to(tl.uint64)
-        tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint64, PAIRS), low | (high << 32), mask=mask)
+        tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint64, PAIRS), words, mask=mask)
 
 
 @triton.jit
@@ -83,6 +145,7 @@ def _rotary_kernel(
     num_tokens, num_heads, head_dim,
     stride_xn, stride_xh, stride_yn, stride_yh, stride_sn, stride_sd,
     BLOCK_ROWS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr, INVERSE: tl.constexpr,
+    INLINE_ASM: tl.constexpr,
 ):
     # One program per BLOCK_ROWS tokens, all heads: the angles are read once and reused by every head.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -90,9 +153,15 @@ def _rotary_kernel(
     mask = tile_mask(rows < num_tokens, 0, half, PAIRS, EVEN_D)
     sin, cos = load_angles(sinu_ptr, rows, 0, half, stride_sn, stride_sd, mask, PAIRS)
     for head in range(num_heads):
-        even, odd = load_pairs(x_ptr + head * stride_xh, rows, 0, stride_xn, mask, PAIRS)
+        words = load_words(x_ptr + head * stride_xh, rows, 0, stride_xn, mask, PAIRS)
+        even, odd = unpack_words(words, x_ptr.dtype.element_ty)
         even, odd = rotate(even, odd, sin, cos, INVERSE)
-        store_pairs(y_ptr + head * stride_yh, rows, 0, stride_yn, even, odd, mask, PAIRS)
+        store_pairs(y_ptr + head * stride_yh, rows, 0, stride_yn, even, odd, mask, PAIRS, INLINE_ASM)
+
+
+def inline_asm(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x`` may use PTX inline assembly: NVIDIA GPUs, not Triton's interpreter."""
+    return x.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def pairs_readable(x: torch.Tensor) -> bool:
@@ -122,7 +191,8 @@ def rotary_triton(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool) -> tor
     block_rows = max(1, 2048 // pairs)
     _rotary_kernel[(triton.cdiv(n, block_rows),)](
         x, sinu_pos, y, n, h, d, x.stride(0), x.stride(1), y.stride(0), y.stride(1), *sinu_pos.stride(),
-        BLOCK_ROWS=block_rows, PAIRS=pairs, EVEN_D=2 * pairs == d, INVERSE=inverse, num_warps=4,
+        BLOCK_ROWS=block_rows, PAIRS=pairs, EVEN_D=2 * pairs == d, INVERSE=inverse, INLINE_ASM=inline_asm(x),
+        num_warps=4,
     )
     return y
 
