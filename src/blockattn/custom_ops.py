@@ -44,10 +44,13 @@ def _rotary_backward(ctx, grad):
 rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
 
 
+def _packed_head_dim(qkv, num_heads, num_kv_heads) -> int:
+    return qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+
+
 def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, ...]:
     """Views ``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` of a packed ``[N, (Hq + 2 Hkv) * D]`` projection (no copy)."""
-    num_all = num_heads + 2 * num_kv_heads
-    heads = qkv.view(qkv.shape[0], num_all, qkv.shape[1] // num_all)
+    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, _packed_head_dim(qkv, num_heads, num_kv_heads))
     return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
 
 
@@ -126,7 +129,7 @@ def qkv_block_attention_fwd(
 @qkv_block_attention_fwd.register_fake
 def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate):
     n = qkv.shape[0]
-    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
     return qkv.new_empty(n, num_heads, head_dim), *_fake_table(offsets, n, block_size)
 
 
@@ -187,10 +190,6 @@ def _fwd_flops(q, k, v, offsets, sinu_pos, block_size, *args, **kwargs) -> int:
 @register_flop_formula(torch.ops.blockattn.block_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, *args, **kwargs) -> int:
     return _attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, matmuls=5)
-
-
-def _packed_head_dim(qkv, num_heads, num_kv_heads) -> int:
-    return qkv.shape[1] // (num_heads + 2 * num_kv_heads)
 
 
 @register_flop_formula(torch.ops.blockattn.qkv_block_attention_fwd, get_raw=True)

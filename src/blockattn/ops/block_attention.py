@@ -616,7 +616,7 @@ def block_attention_bwd_triton(
     slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
     grid = (num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)
     _block_attention_bwd_kernel[grid](
-        *tensors, sinu_args[0], *table, num_seqs, n, d, scale, scale * _LOG2E, *_strides(q, k, v, grad_out, dq, dk, dv), *sinu_args[1:],
+        *tensors, sinu_args[0], *table, num_seqs, n, d, scale, scale * _LOG2E, *_strides(*tensors), *sinu_args[1:],
         NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
         INLINE_ASM=inline_asm(q), **common,
     )
