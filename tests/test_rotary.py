@@ -108,16 +108,29 @@ def test_fused_kernels_every_rotate_gqa_odd_lengths(rotate, dtype, poisoned_outp
 @pytest.mark.parametrize(
     "block_size,head_dim,hq,hkv,options",
     [(16, 16, 1, 1, {}), (32, 40, 3, 1, {}), (128, 136, 2, 1, {}), (16, 256, 2, 2, {}),
-     (64, 128, 2, 2, {}), (64, 72, 3, 3, {}), (128, 64, 2, 2, {})],
-    ids=["d16", "d40-gqa", "sliced-gqa", "d256", "d128", "d72", "bs128"],
+     (64, 128, 2, 2, {}), (64, 72, 3, 3, {}), (128, 64, 2, 2, {}), (32, 42, 2, 2, {})],
+    ids=["d16", "d40-gqa", "sliced-gqa", "d256", "d128", "d72", "bs128", "d42"],
 )
 def test_fused_kernels_head_dims(block_size, head_dim, hq, hkv, options, poisoned_outputs):
     """Every kernel variant with all three operands rotated: padded head dims (D = 16 pads its pairs to 16),
-    head-dim slices (the angles of each slice), GQA, the production shape."""
+    head-dim slices (the angles of each slice), GQA, the production shape. D = 42 has an odd number of pairs: the
+    GPU backward stores its gradients through the coalesced path, not two pair words at a time."""
     q, k, v, do, offsets = random_inputs(odd_lengths(block_size), hq, hkv, head_dim, torch.float16, KERNEL_DEVICE)
     sinu_pos = random_angles(q.shape[0], head_dim, torch.float16, KERNEL_DEVICE)
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, block_size, sinu_pos, 7, **options), q, k, v, do,
                              offsets, block_size, sinu_pos=sinu_pos, rotate=7)
+
+
+def test_wide_stores_only_where_each_store_is_aligned():
+    """The backward stores two pair words at once (inline PTX) only on NVIDIA GPUs and where every such store is
+    aligned: D a multiple of 4, strides and start multiples of four elements."""
+    x = torch.empty(8, 2, 128, dtype=torch.float16, device=KERNEL_DEVICE)
+    assert rotary_impl.wide_stores_ok(x) == (KERNEL_DEVICE == "cuda")
+    assert not rotary_impl.wide_stores_ok(torch.empty(8, 2, 42, dtype=torch.float16, device=KERNEL_DEVICE))
+    shifted = torch.empty(8 * 2 * 128 + 2, dtype=torch.float16, device=KERNEL_DEVICE)[2:].view(8, 2, 128)
+    assert not rotary_impl.wide_stores_ok(shifted)
+    assert not rotary_impl.wide_stores_ok(torch.empty(8, 2, 128, 2, dtype=torch.float16, device=KERNEL_DEVICE)[..., 0])
+    assert not rotary_impl.wide_stores_ok(torch.empty(8, 2, 130, dtype=torch.float16, device=KERNEL_DEVICE)[..., :128])
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

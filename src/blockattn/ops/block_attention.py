@@ -34,9 +34,11 @@ from .rotary import (
     rotate,
     split_words,
     store_pairs,
+    store_pairs_wide,
     unpack_words,
+    wide_stores_ok,
 )
-from .tiles import store_tile, tile_mask, tile_ptrs
+from .tiles import column_mask, in_block_rows, store_tile, tile_mask, tile_ptrs
 
 _LOG2E = 1.4426950408889634
 
@@ -53,8 +55,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
 
     With a fused rotary the kernels work on pair halves, which must be at least 16 wide for the tensor cores:
     slices are at least 32 columns. Measured on an H100 at the `ads-rotary` shape (docs/benchmarks.md): the
-    persistent backward loses there (1.72x its floor against 1.30x for one whole-row block per program), as do
-    8 warps and register caps in either pass.
+    persistent backward loses there (1.72x its floor against 1.30x for one whole-row block per program, measured
+    side by side; the latter is 1.18x now), as do 8 warps and register caps in either pass.
     """
     min_width = 32 if rotary else 16
     block_d = max(min_width, triton.next_power_of_2(head_dim))
@@ -123,11 +125,15 @@ def _operand_halves(words, sin, cos, ON: tl.constexpr, ELEM: tl.constexpr, FENCE
 
 @triton.jit
 def _store_unrotated(base, rows, pair0, stride_n, even, odd, mask, sin, cos, ON: tl.constexpr,
-                     PAIRS: tl.constexpr, INLINE_ASM: tl.constexpr):
-    """Store the gradient of an operand, turned back (``sin -> -sin``, fp32) when the operand was rotated."""
+                     PAIRS: tl.constexpr, INLINE_ASM: tl.constexpr, WIDE_STORES: tl.constexpr):
+    """Store the gradient of an operand, turned back (``sin -> -sin``, fp32) when the operand was rotated; from the
+    product's own layout when ``WIDE_STORES`` (``rotary.store_pairs_wide``)."""
     if ON:
         even, odd = rotate(even, odd, sin, cos, True)
-    store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS, INLINE_ASM)
+    if WIDE_STORES:
+        store_pairs_wide(base, rows, pair0, stride_n, even, odd, mask, PAIRS)
+    else:
+        store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS, INLINE_ASM)
 
 
 @triton.jit
@@ -247,21 +253,23 @@ def _grad_scores(p, dp, dtype, scale):
 
 
 @triton.jit
-def _bwd_rotary_slice(q_base, k_base, v_base, do_base, sinu_ptr, rows, pair0, half, mask,
+def _bwd_rotary_slice(q_base, k_base, v_base, do_base, sinu_ptr, rows_in, row_ok, pair0, half, cols,
                       stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd,
                       PAIRS: tl.constexpr, ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr):
-    """One slice's angles and pair halves of the (rotated) q, k, v and of dO."""
-    # Each operand rotated right after its load, all fenced: 1.24x the floor on `ads-rotary` (H100), against 1.30x
-    # with the four loads first and only the left-hand operands fenced.
+    """One slice's angles and pair halves of the (rotated) q, k, v and of dO. ``rows_in`` are the block's rows with
+    those past its end moved into it (``tiles.in_block_rows``), so the loads need no row predicate; ``cols`` is the
+    column mask (``None`` for whole slices). dO is zero on rows past the end, so they add nothing to dk and dv."""
+    # All loads before any rotation, without predicates (1.18x the floor on `ads-rotary`, H100, against 1.24x
+    # rotating each operand right after its masked load, where each load waited for the previous operand's math).
     elem_ty: tl.constexpr = q_base.dtype.element_ty
-    sin, cos = load_angles(sinu_ptr, rows, pair0, half, stride_sn, stride_sd, mask, PAIRS)
-    q_words = load_words(q_base, rows, pair0, stride_qn, mask, PAIRS)
+    q_words = load_words(q_base, rows_in, pair0, stride_qn, cols, PAIRS)
+    k_words = load_words(k_base, rows_in, pair0, stride_kn, cols, PAIRS)
+    v_words = load_words(v_base, rows_in, pair0, stride_vn, cols, PAIRS)
+    do_words = tl.where(row_ok[:, None], load_words(do_base, rows_in, pair0, stride_don, cols, PAIRS), 0)
+    sin, cos = load_angles(sinu_ptr, rows_in, pair0, half, stride_sn, stride_sd, cols, PAIRS)
     q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE & 1, elem_ty, INLINE_ASM)
-    k_words = load_words(k_base, rows, pair0, stride_kn, mask, PAIRS)
     k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE & 2, elem_ty, INLINE_ASM)
-    v_words = load_words(v_base, rows, pair0, stride_vn, mask, PAIRS)
     v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE & 4, elem_ty, INLINE_ASM)
-    do_words = load_words(do_base, rows, pair0, stride_don, mask, PAIRS)
     do_even, do_odd = _operand_halves(do_words, sin, cos, 0, elem_ty, INLINE_ASM)
     return sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd
 
@@ -273,11 +281,12 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
                       stride_dkn, stride_dvn, stride_sn, stride_sd,
                       GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SLICES_PER_PROGRAM: tl.constexpr,
-                      ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr):
+                      ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, WIDE_STORES: tl.constexpr):
     """``_block_attention_bwd_kernel``'s program on pair halves: GQA and head-dim slices, rotated operands. The
     softmax scale is folded into dS (one multiply per score instead of one per gradient element)."""
     PAIRS: tl.constexpr = CHUNK // 2
     half = head_dim // 2
+    rows_in = in_block_rows(rows, row_ok)
     dk_even = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
     dk_odd = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
     dv_even = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
@@ -289,17 +298,16 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
         scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
         dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
         if NUM_CHUNKS == 1:
-            mask = tile_mask(row_ok, 0, half, PAIRS, EVEN_D)
             sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
-                q_base, k_base, v_base, do_base, sinu_ptr, rows, 0, half, mask,
+                q_base, k_base, v_base, do_base, sinu_ptr, rows_in, row_ok, 0, half, column_mask(0, half, PAIRS, EVEN_D),
                 stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE, INLINE_ASM)
             scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
             dp = _pair_dot(do_even, do_odd, v_even, v_odd, dp, DOT_PRECISION)
         else:
             for c in range(NUM_CHUNKS):
-                mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
                 sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
-                    q_base, k_base, v_base, do_base, sinu_ptr, rows, c * PAIRS, half, mask,
+                    q_base, k_base, v_base, do_base, sinu_ptr, rows_in, row_ok, c * PAIRS, half,
+                    column_mask(c * PAIRS, half, PAIRS, EVEN_D),
                     stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE, INLINE_ASM)
                 scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
                 dp = _pair_dot(do_even, do_odd, v_even, v_odd, dp, DOT_PRECISION)
@@ -308,21 +316,25 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
         p = p.to(q_ptr.dtype.element_ty)
         for i in range(SLICES_PER_PROGRAM):
             pair0 = (first_slice + i) * PAIRS
-            mask = tile_mask(row_ok, pair0, half, PAIRS, EVEN_D)
-            if NUM_CHUNKS > 1:
+            cols = column_mask(pair0, half, PAIRS, EVEN_D)
+            if NUM_CHUNKS == 1:
+                # The angles again (an L1/L2 hit) rather than kept from the loads: held, they spill registers.
+                sin, cos = load_angles(sinu_ptr, rows_in, pair0, half, stride_sn, stride_sd, cols, PAIRS)
+            else:
                 # The slice again (an L1/L2 hit): holding every slice would spill registers.
                 sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
-                    q_base, k_base, v_base, do_base, sinu_ptr, rows, pair0, half, mask,
+                    q_base, k_base, v_base, do_base, sinu_ptr, rows_in, row_ok, pair0, half, cols,
                     stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE & 3, INLINE_ASM)
+            mask = tile_mask(row_ok, pair0, half, PAIRS, EVEN_D)
             if GROUP == 1:
                 _store_unrotated(dv_base, rows, pair0, stride_dvn,
                                  tl.dot(tl.trans(p), do_even, input_precision=DOT_PRECISION),
                                  tl.dot(tl.trans(p), do_odd, input_precision=DOT_PRECISION),
-                                 mask, sin, cos, ROTATE & 4, PAIRS, INLINE_ASM)
+                                 mask, sin, cos, ROTATE & 4, PAIRS, INLINE_ASM, WIDE_STORES)
                 _store_unrotated(dk_base, rows, pair0, stride_dkn,
                                  tl.dot(tl.trans(ds), q_even, input_precision=DOT_PRECISION),
                                  tl.dot(tl.trans(ds), q_odd, input_precision=DOT_PRECISION),
-                                 mask, sin, cos, ROTATE & 2, PAIRS, INLINE_ASM)
+                                 mask, sin, cos, ROTATE & 2, PAIRS, INLINE_ASM, WIDE_STORES)
             else:
                 dv_even = tl.dot(tl.trans(p), do_even, dv_even, input_precision=DOT_PRECISION)
                 dv_odd = tl.dot(tl.trans(p), do_odd, dv_odd, input_precision=DOT_PRECISION)
@@ -331,15 +343,16 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
             _store_unrotated(dq_ptr + head * stride_dqh, rows, pair0, stride_dqn,
                              tl.dot(ds, k_even, input_precision=DOT_PRECISION),
                              tl.dot(ds, k_odd, input_precision=DOT_PRECISION),
-                             mask, sin, cos, ROTATE & 1, PAIRS, INLINE_ASM)
+                             mask, sin, cos, ROTATE & 1, PAIRS, INLINE_ASM, WIDE_STORES)
     if GROUP > 1:
         pair0 = first_slice * PAIRS
         mask = tile_mask(row_ok, pair0, half, PAIRS, EVEN_D)
-        sin, cos = load_angles(sinu_ptr, rows, pair0, half, stride_sn, stride_sd, mask, PAIRS)
+        sin, cos = load_angles(sinu_ptr, rows_in, pair0, half, stride_sn, stride_sd,
+                               column_mask(pair0, half, PAIRS, EVEN_D), PAIRS)
         _store_unrotated(dv_base, rows, pair0, stride_dvn, dv_even, dv_odd, mask, sin, cos, ROTATE & 4, PAIRS,
-                         INLINE_ASM)
+                         INLINE_ASM, WIDE_STORES)
         _store_unrotated(dk_base, rows, pair0, stride_dkn, dk_even, dk_odd, mask, sin, cos, ROTATE & 2, PAIRS,
-                         INLINE_ASM)
+                         INLINE_ASM, WIDE_STORES)
 
 
 @triton.jit
@@ -357,7 +370,7 @@ def _block_attention_bwd_kernel(
     stride_sn, stride_sd,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLICES_PER_PROGRAM: tl.constexpr, ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr,
+    SLICES_PER_PROGRAM: tl.constexpr, ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, WIDE_STORES: tl.constexpr,
 ):
     # Each program owns SLICES_PER_PROGRAM of the NUM_CHUNKS head-dim slices of one (block, kv head): it recomputes
     # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
@@ -386,7 +399,7 @@ def _block_attention_bwd_kernel(
                           stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
                           stride_dkn, stride_dvn, stride_sn, stride_sd,
                           GROUP, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, SLICES_PER_PROGRAM, ROTATE,
-                          INLINE_ASM)
+                          INLINE_ASM, WIDE_STORES)
         return
 
     dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
@@ -618,7 +631,7 @@ def block_attention_bwd_triton(
     _block_attention_bwd_kernel[grid](
         *tensors, sinu_args[0], *table, num_seqs, n, d, scale, scale * _LOG2E, *_strides(*tensors), *sinu_args[1:],
         NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
-        INLINE_ASM=inline_asm(q), **common,
+        INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in grads), **common,
     )
     return dq, dk, dv
 

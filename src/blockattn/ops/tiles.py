@@ -28,3 +28,30 @@ def tile_mask(row_ok, col0, width, CHUNK: tl.constexpr, EVEN: tl.constexpr):
         cols = col0 + tl.arange(0, CHUNK)
         mask = row_ok[:, None] & (cols < width)[None, :]
     return mask
+
+
+@triton.jit
+def in_block_rows(rows, row_ok):
+    """``rows`` with those past the block's end replaced by its first row: every row is then in bounds, so loads
+    need no predicate and no zero fill (the caller zeroes what must not count)."""
+    return tl.where(row_ok, rows, rows - tl.arange(0, rows.shape[0]))
+
+
+@triton.jit
+def column_mask(col0, width, CHUNK: tl.constexpr, EVEN: tl.constexpr):
+    """``None`` when ``EVEN`` promises every column ``col0 + j`` is below ``width``, else a ``[1, CHUNK]`` mask."""
+    if EVEN:
+        mask = None
+    else:
+        mask = (col0 + tl.arange(0, CHUNK) < width)[None, :]
+    return mask
+
+
+@triton.jit
+def load_or_zero(ptrs, mask):
+    """``tl.load`` with masked-off elements zero; ``mask`` ``None`` loads every element (no predicate)."""
+    if mask is None:
+        values = tl.load(ptrs)
+    else:
+        values = tl.load(ptrs, mask=mask, other=0)
+    return values
