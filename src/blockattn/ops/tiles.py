@@ -32,8 +32,9 @@ def tile_mask(row_ok, col0, width, CHUNK: tl.constexpr, EVEN: tl.constexpr):
 
 @triton.jit
 def in_block_rows(rows, row_ok):
-    """``rows`` with those past the block's end replaced by its first row: every row is then in bounds, so loads
-    need no predicate and no zero fill (the caller zeroes what must not count)."""
+    """``rows`` (``start + arange``, a non-empty block) with those past the block's end replaced by its first row:
+    every row is then in bounds, so loads need no predicate and no zero fill (the caller zeroes what must not
+    count)."""
     return tl.where(row_ok, rows, rows - tl.arange(0, rows.shape[0]))
 
 
