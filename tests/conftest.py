@@ -13,8 +13,7 @@ import math
 import pytest
 
 from blockattn.layout import ROTATE_BITS
-from blockattn.ops import block_attention as impl
-from blockattn.ops import rotary as rotary_impl
+from blockattn.ops import tiles
 from blockattn.reference import block_attention_reference, rotary_reference
 
 HAS_GPU = torch.cuda.is_available()
@@ -97,5 +96,4 @@ def poisoned_outputs(monkeypatch):
     def new_output(like):
         return torch.full_like(like, float("nan"))
 
-    monkeypatch.setattr(impl, "new_output", new_output)
-    monkeypatch.setattr(rotary_impl, "new_output", new_output)
+    monkeypatch.setattr(tiles, "new_output", new_output)

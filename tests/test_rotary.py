@@ -25,6 +25,7 @@ from blockattn.custom_ops import split_heads
 from blockattn.layout import ROTATE_BITS, block_table, rotate_mask
 from blockattn.ops import block_attention as impl
 from blockattn.ops import rotary as rotary_impl
+from blockattn.ops import tiles
 from blockattn.reference import block_attention_reference, rotary_reference
 
 # Every subset of q, k, v as a ROTATE mask, with readable ids.
@@ -162,7 +163,7 @@ def test_fused_kernels_packed_qkv_layout(hq, hkv, rotate, poisoned_outputs):
     qkv = torch.randn(n, (hq + 2 * hkv) * d, dtype=torch.float16, device=KERNEL_DEVICE)
     q, k, v = split_heads(qkv, hq, hkv)
     sinu_pos = random_angles(n, d, torch.float16, KERNEL_DEVICE)
-    dqkv = impl.new_output(qkv)
+    dqkv = tiles.new_output(qkv)
     scale = 1.0 / math.sqrt(d)
     table = block_table(offsets, n, bs)
     out = impl.block_attention_fwd_triton(q, k, v, offsets, *table, bs, scale, sinu_pos, rotate)

@@ -17,6 +17,7 @@ from torch.utils.flop_counter import register_flop_formula
 from .layout import block_table, max_blocks
 from .ops import block_attention as impl
 from .ops import rotary as rotary_impl
+from .ops import tiles
 
 
 @torch.library.custom_op("blockattn::rotary", mutates_args=())
@@ -140,7 +141,7 @@ def qkv_block_attention_bwd(
     scale: float, rotate: int,
 ) -> torch.Tensor:
     """``dqkv`` in the packed layout of ``qkv``: the kernel writes dq, dk, dv straight into views of one buffer."""
-    dqkv = impl.new_output(qkv)
+    dqkv = tiles.new_output(qkv)
     _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_cum, block_seq,
               block_size, scale, rotate, grads=split_heads(dqkv, num_heads, num_kv_heads))
     return dqkv

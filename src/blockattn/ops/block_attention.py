@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..layout import ROTATE_BITS, block_rows
 from ..reference import rotary_reference
+from . import tiles
 from .rotary import (
     fence,
     inline_asm,
@@ -498,11 +499,6 @@ def _block_attention_bwd_persistent_kernel(
                  mask=mask)
 
 
-def new_output(like: torch.Tensor) -> torch.Tensor:
-    """Allocation of every kernel output (one place, so tests can poison it)."""
-    return torch.empty_like(like)
-
-
 def _persistent_programs(device: torch.device) -> int:
     """Programs of a persistent kernel: one per multiprocessor. Off the GPU (Triton's interpreter) a few, so that
     each runs several work items as on the GPU."""
@@ -556,7 +552,7 @@ def block_attention_fwd_triton(
     sinu_args, rotate = _rotary_args(sinu_pos, rotate, q)
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))
-    out = new_output(q)
+    out = tiles.new_output(q)
     if block_seq.numel() == 0:
         return out
     cfg = kernel_config(block_size, d, backward=False, rotary=bool(rotate))
@@ -601,7 +597,7 @@ def block_attention_bwd_triton(
     if rotate:
         q, k, v, grad_out = (pair_aligned(t) for t in (q, k, v, grad_out))
     if grads is None:
-        grads = (new_output(q), new_output(k), new_output(v))
+        grads = (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
     elif rotate and not all(pairs_readable(g) for g in grads):
         raise ValueError("grads must have stride 1 along head_dim and even strides when a rotary is fused")
     dq, dk, dv = grads

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..reference import rotary_reference
+from . import tiles
 from .tiles import load_or_zero, tile_mask, tile_ptrs
 
 
@@ -207,16 +208,11 @@ def pair_aligned(x: torch.Tensor) -> torch.Tensor:
     return x if pairs_readable(x) else x.contiguous()
 
 
-def new_output(like: torch.Tensor) -> torch.Tensor:
-    """Allocation of the kernel's output (one place, so tests can poison it)."""
-    return torch.empty_like(like)
-
-
 def rotary_triton(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool) -> torch.Tensor:
     """``[N, H, D]`` rotated by ``sinu_pos`` (or by the opposite angles), in ``x``'s dtype."""
     n, h, d = x.shape
     x = pair_aligned(x)
-    y = new_output(x)
+    y = tiles.new_output(x)
     if y.numel() == 0:
         return y
     pairs = triton.next_power_of_2(d // 2)

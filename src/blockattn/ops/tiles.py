@@ -1,8 +1,9 @@
 """Tile addressing shared by the kernels: pointers, masks and stores of ``[rows, CHUNK]`` tiles of ``[N, ..., D]``
-tensors."""
+tensors; and the allocation of every kernel output."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -56,3 +57,8 @@ def load_or_zero(ptrs, mask):
     else:
         values = tl.load(ptrs, mask=mask, other=0)
     return values
+
+
+def new_output(like: torch.Tensor) -> torch.Tensor:
+    """Allocation of every kernel output (one place, so tests can poison it: callers go through the module)."""
+    return torch.empty_like(like)
