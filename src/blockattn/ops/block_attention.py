@@ -298,7 +298,7 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
         do_base = do_ptr + head * stride_doh
         scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
         dp = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
-        if NUM_CHUNKS == 1:
+        if NUM_CHUNKS == 1:  # not in the loop below: its tiles are used again by the gradient products
             sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
                 q_base, k_base, v_base, do_base, sinu_ptr, rows_in, row_ok, 0, half, column_mask(0, half, PAIRS, EVEN_D),
                 stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE, INLINE_ASM)
