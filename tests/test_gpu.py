@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 from conftest import (
+    HAS_GPU,
     assert_within_2x_pytorch,
     make_offsets,
     max_err,
@@ -20,6 +21,7 @@ from conftest import (
 
 import blockattn
 from blockattn.layout import rotate_mask
+from blockattn.ops import block_attention as block_attention_ops
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -130,22 +132,25 @@ def test_nested_on_gpu():
     assert snr_db(out.values(), reference_grads(q, k, v, do, offsets, 64)[0]) > 40
 
 
-def test_more_than_2_pow_31_elements():
+@pytest.mark.parametrize("hq,hkv,rotary", [(8, 1, False), (3, 3, False), (3, 3, True)], ids=["mqa", "mha", "rotary"])
+def test_more_than_2_pow_31_elements(hq, hkv, rotary):
     """N * H * D > 2^31: row offsets must be computed in int64. Checks the blocks at the far end."""
-    hq, d = 8, 128
+    d = 128
     n = 2**31 // (hq * d) + 1000
     lengths = [n - 200, 77, 123]
     q = torch.randn(n, hq, d, dtype=torch.bfloat16, device="cuda")
-    k, v = (torch.randn(n, 1, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k, v = (torch.randn(n, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     do = torch.randn_like(q)
+    sinu_pos = random_angles(n, d, torch.bfloat16, "cuda") if rotary else None
     leaves = [t.requires_grad_() for t in (q, k, v)]
-    out = blockattn.block_attention(*leaves, make_offsets(lengths, "cuda"))
+    out = blockattn.block_attention(*leaves, make_offsets(lengths, "cuda"), sinu_pos=sinu_pos)
     out.backward(do)
     # From a block boundary of the long sequence on, the tail is a problem of its own.
     tail = ((n - 200) // 64 - 1) * 64
     assert tail * hq * d > 2**31
     tail_offsets = make_offsets([n - 200 - tail, 77, 123], "cuda")
-    exact = reference_grads(q[tail:], k[tail:], v[tail:], do[tail:], tail_offsets, 64)
+    exact = reference_grads(q[tail:], k[tail:], v[tail:], do[tail:], tail_offsets, 64,
+                            sinu_pos=None if sinu_pos is None else sinu_pos[tail:], rotate=7 if rotary else 0)
     for got, ref in zip([out, q.grad, k.grad, v.grad], exact):
         assert snr_db(got[tail:], ref) > 40
 
@@ -211,6 +216,52 @@ def test_fused_rotary_backward_is_bitwise_deterministic():
             assert torch.equal(a, b)
 
 
+def test_sm90_backward_takes_the_production_shape():
+    """Which backward runs the Hopper (Gluon) kernel: that of 64-token blocks, D = 128, no GQA, 16-bit tensors that
+    TMA reads as [N, H * D] rows, with or without a rotary."""
+    sm90 = block_attention_ops.sm90
+    q, k, v, do, _ = random_inputs([100], 3, 3, 128, torch.bfloat16, "cuda")
+    on_hopper = torch.cuda.get_device_capability()[0] == 9
+    assert sm90 is not None
+    for rotate in (0, 1, 7):
+        assert sm90.applies(q, k, v, do, (q, k, v), 64, rotate) == on_hopper
+    padded_heads = torch.randn(100, 3, 136, dtype=torch.bfloat16, device="cuda")[..., :128]
+    odd_rows = torch.randn(100, 385, dtype=torch.bfloat16, device="cuda")[:, :384].view(100, 3, 128)
+    for rejected in [
+        (q, k, v, do, (q, k, v), 128, 7),
+        (q, k[:, :1], v[:, :1], do, (q, k[:, :1], v[:, :1]), 64, 7),  # GQA
+        (*(t.float() for t in (q, k, v, do)), (q, k, v), 64, 7),
+        (q[..., :64], k[..., :64], v[..., :64], do[..., :64], (q, k, v), 64, 7),
+        (padded_heads, k, v, do, (q, k, v), 64, 7),  # heads not side by side: no [N, H * D] descriptor
+        (odd_rows, k, v, do, (q, k, v), 64, 7),  # rows not 16-byte aligned
+        (q, k, v, do, (padded_heads, k, v), 64, 7),
+    ]:
+        assert not sm90.applies(*rejected)
+
+
+@pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rotate", [(), ("q",), ("k",), ("q", "k"), ("v",), ("q", "v"), ("k", "v"), ("q", "k", "v")],
+                         ids=lambda r: "".join(r) or "plain")
+def test_sm90_backward_accuracy_contract(rotate, dtype, poisoned_outputs, monkeypatch):
+    """The Hopper kernel (checked to run) on odd lengths, plain and with every rotate choice: SPEC §5 against
+    float64."""
+    sm90 = block_attention_ops.sm90
+    calls = []
+    launch = sm90.block_attention_bwd_sm90
+    monkeypatch.setattr(sm90, "block_attention_bwd_sm90", lambda *args: calls.append(1) or launch(*args))
+    q, k, v, do, offsets = random_inputs(random_lengths(6, 400, 64), 3, 3, 128, dtype, "cuda")
+    sinu_pos = random_angles(q.shape[0], 128, dtype, "cuda") if rotate else None
+    rotary = {"sinu_pos": sinu_pos, "rotate": rotate} if rotate else {}
+    results = public_op(q, k, v, do, offsets, 64, **rotary)
+    assert calls == [1]
+    mask = rotate_mask(rotate) if rotate else 0
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=mask)
+    exact = reference_grads(q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=mask)
+    for name, got, ref in zip(("dq", "dk", "dv"), results[1:], exact[1:]):
+        assert snr_db(got, ref) > 45, f"{name}: SNR {snr_db(got, ref):.1f} dB"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_apply_rotary_on_gpu(dtype, poisoned_outputs):
     from blockattn.reference import rotary_reference
@@ -236,14 +287,15 @@ def test_qkv_block_attention_on_gpu(dtype, heads, head_dim, rotate):
     check_qkv_block_attention("cuda", dtype, *heads, rotate, d=head_dim, d_model=96)
 
 
-def test_qkv_block_attention_compiles_and_captures():
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_qkv_block_attention_compiles_and_captures(head_dim):
     """torch.compile(fullgraph=True) without a graph break, and a CUDA graph of forward + backward."""
     lengths = random_lengths(8, 300, 64)
     offsets = make_offsets(lengths, "cuda")
     n = int(offsets[-1])
     x = torch.randn(n, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    w = (torch.randn(64, 9 * 64, dtype=torch.bfloat16, device="cuda") / 8).requires_grad_()
-    sinu_pos = random_angles(n, 64, torch.bfloat16, "cuda")
+    w = (torch.randn(64, 9 * head_dim, dtype=torch.bfloat16, device="cuda") / 8).requires_grad_()
+    sinu_pos = random_angles(n, head_dim, torch.bfloat16, "cuda")
 
     def layer(x, w):
         out = blockattn.qkv_block_attention(x, w, offsets, num_heads=3, num_kv_heads=3, sinu_pos=sinu_pos)

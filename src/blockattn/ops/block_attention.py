@@ -14,6 +14,9 @@ of the next block overlap the current one's math.
 
 A fused rotary (``ROTATE``, a mask of the operands to turn) switches the forward and the one-block backward to pair
 halves (``ops.rotary``): operands are rotated right after loading, gradients turned back before their one store.
+
+On Hopper GPUs the backward of the production shape (64-token blocks, D = 128, no GQA, 16-bit), plain or rotary,
+runs a Gluon kernel instead (``block_attention_sm90``: tiles loaded by TMA, not through registers).
 """
 
 from __future__ import annotations
@@ -39,7 +42,21 @@ from .rotary import (
     unpack_words,
     wide_stores_ok,
 )
-from .tiles import column_mask, in_block_rows, store_tile, tile_mask, tile_ptrs
+from .tiles import (
+    block_bounds,
+    column_mask,
+    grad_scores,
+    in_block_rows,
+    softmax_probs,
+    store_tile,
+    tile_mask,
+    tile_ptrs,
+)
+
+try:
+    from . import block_attention_sm90 as sm90
+except ImportError:  # a triton without Gluon's Hopper API (before 3.6): the Triton kernels serve every GPU
+    sm90 = None
 
 _LOG2E = 1.4426950408889634
 
@@ -58,6 +75,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     slices are at least 32 columns. Measured on an H100 at the `ads-rotary` shape (docs/benchmarks.md): the
     persistent backward loses there (1.72x its floor against 1.30x for one whole-row block per program, measured
     side by side; the latter is 1.18x now), as do 8 warps and register caps in either pass.
+
+    On Hopper GPUs the backward of the production shape runs ``block_attention_sm90`` instead, plain or rotary.
     """
     min_width = 32 if rotary else 16
     block_d = max(min_width, triton.next_power_of_2(head_dim))
@@ -78,35 +97,6 @@ def _num_warps(block_size: int) -> int:
     # On an H200 4 warps beat 2 and 8 for 64-token blocks at D = 64 and 128, in both passes, even where 8 would
     # spill fewer registers (docs/benchmarks.md). 128-token blocks hold a 128 x 128 fp32 score tile: 8 warps.
     return 8 if block_size == 128 else 4
-
-
-@triton.jit
-def _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr):
-    """First row and length of grid slot ``slot``'s block; length 0 for padding slots.
-
-    Clamped to ``[0, N)`` so that offsets whose values were not checked on the host never cause an out-of-bounds
-    access (see ``layout.block_table``).
-    """
-    seq = tl.load(block_seq_ptr + slot)
-    seq_c = tl.minimum(seq, num_seqs - 1)
-    seq_start = tl.load(offsets_ptr + seq_c).to(tl.int64)
-    seq_end = tl.load(offsets_ptr + seq_c + 1).to(tl.int64)
-    nblocks = (seq_end - seq_start + BLOCK_SIZE - 1) // BLOCK_SIZE
-    first_slot = tl.load(block_cum_ptr + seq_c).to(tl.int64) - nblocks
-    start = seq_start + (slot - first_slot) * BLOCK_SIZE
-    end = tl.minimum(start + BLOCK_SIZE, seq_end)
-    start = tl.minimum(tl.maximum(start, 0), num_tokens)
-    end = tl.minimum(tl.maximum(end, start), num_tokens)
-    length = tl.where(seq < num_seqs, end - start, 0)
-    return start, length
-
-
-@triton.jit
-def _softmax_probs(scores, col_ok, qk_scale_log2):
-    """Exact row softmax of a score tile whose every key lies in the tile (``col_ok`` masks the partial block)."""
-    scores = tl.where(col_ok[None, :], scores * qk_scale_log2, float("-inf"))
-    p = tl.exp2(scores - tl.max(scores, axis=1)[:, None])
-    return p / tl.sum(p, axis=1)[:, None]
 
 
 @triton.jit
@@ -167,7 +157,7 @@ def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, he
         q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE & 1, elem_ty, INLINE_ASM)
         k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE & 2, elem_ty, INLINE_ASM)
         scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
-    p = _softmax_probs(scores, row_ok, qk_scale_log2).to(elem_ty)
+    p = softmax_probs(scores, row_ok, qk_scale_log2).to(elem_ty)
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
         if NUM_CHUNKS > 1:  # else v and the angles come from the first loop
@@ -198,7 +188,7 @@ def _block_attention_fwd_kernel(
     pid = tl.program_id(0)
     slot = pid // NUM_Q_HEADS
     head = pid % NUM_Q_HEADS
-    start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
+    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
     if length <= 0:
         return
     offs = tl.arange(0, BLOCK_SIZE)
@@ -221,7 +211,7 @@ def _block_attention_fwd_kernel(
         q = tl.load(tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
         k = tl.load(tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
-    p = _softmax_probs(scores, row_ok, qk_scale_log2).to(q_ptr.dtype.element_ty)
+    p = softmax_probs(scores, row_ok, qk_scale_log2).to(q_ptr.dtype.element_ty)
 
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
@@ -244,13 +234,6 @@ def _bwd_slice_products(q_base, k_base, v_base, do_base, rows, row_ok, col0, hea
     do = tl.load(tile_ptrs(do_base, rows, col0, stride_don, stride_dod, CHUNK), mask=mask, other=0.0)
     dp = tl.dot(do, tl.trans(v), dp, input_precision=DOT_PRECISION)
     return q, k, do, scores, dp
-
-
-@triton.jit
-def _grad_scores(p, dp, dtype, scale):
-    """``dS = P * (dP - rowsum(P * dP))``, times ``scale``: ``Di`` from the tile itself, no preprocessing pass and no
-    ``o`` read."""
-    return (p * (dp - tl.sum(p * dp, axis=1)[:, None]) * scale).to(dtype)
 
 
 @triton.jit
@@ -312,8 +295,8 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
                     stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE, INLINE_ASM)
                 scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
                 dp = _pair_dot(do_even, do_odd, v_even, v_odd, dp, DOT_PRECISION)
-        p = _softmax_probs(scores, row_ok, qk_scale_log2)
-        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty, scale)
+        p = softmax_probs(scores, row_ok, qk_scale_log2)
+        ds = grad_scores(p, dp, q_ptr.dtype.element_ty, scale)
         p = p.to(q_ptr.dtype.element_ty)
         for i in range(SLICES_PER_PROGRAM):
             pair0 = (first_slice + i) * PAIRS
@@ -384,7 +367,7 @@ def _block_attention_bwd_kernel(
     first_slice = (pid % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
     kv_head = (pid // PROGRAMS_PER_HEAD) % NUM_KV_HEADS
     slot = pid // (PROGRAMS_PER_HEAD * NUM_KV_HEADS)
-    start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
+    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
     if length <= 0:
         return
     offs = tl.arange(0, BLOCK_SIZE)
@@ -422,8 +405,8 @@ def _block_attention_bwd_kernel(
                     q_base, k_base, v_base, do_base, rows, row_ok, c * CHUNK, head_dim, scores, dp,
                     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
                     CHUNK, EVEN_D, DOT_PRECISION)
-        p = _softmax_probs(scores, row_ok, qk_scale_log2)
-        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty, 1.0)
+        p = softmax_probs(scores, row_ok, qk_scale_log2)
+        ds = grad_scores(p, dp, q_ptr.dtype.element_ty, 1.0)
         p = p.to(q_ptr.dtype.element_ty)
         for i in range(SLICES_PER_PROGRAM):
             col0 = (first_slice + i) * CHUNK
@@ -469,7 +452,7 @@ def _block_attention_bwd_persistent_kernel(
     num_blocks = tl.minimum(tl.load(block_cum_ptr + num_seqs - 1), num_slots)  # the rest of the slots are padding
     offs = tl.arange(0, BLOCK_SIZE)
     for item in tl.range(tl.program_id(0), num_blocks * NUM_HEADS, tl.num_programs(0), num_stages=PIPELINE_STAGES):
-        start, length = _block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, item // NUM_HEADS, num_seqs,
+        start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, item // NUM_HEADS, num_seqs,
                                       num_tokens, BLOCK_SIZE)
         row_ok = offs < length
         rows = start + offs
@@ -487,8 +470,8 @@ def _block_attention_bwd_persistent_kernel(
         do = tl.load(do_ptr + do_tile, mask=mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        p = _softmax_probs(scores, row_ok, qk_scale_log2)
-        ds = _grad_scores(p, dp, q_ptr.dtype.element_ty, 1.0)
+        p = softmax_probs(scores, row_ok, qk_scale_log2)
+        ds = grad_scores(p, dp, q_ptr.dtype.element_ty, 1.0)
         p = p.to(q_ptr.dtype.element_ty)
         tl.store(dv_ptr + tile, tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION).to(dv_ptr.dtype.element_ty),
                  mask=mask)
@@ -590,7 +573,8 @@ def block_attention_bwd_triton(
     """Launch the backward kernel; returns ``(dq, dk, dv)`` in the inputs' dtypes, the gradients of the unrotated
     inputs. ``grads`` are the tensors to write them into (views of one packed buffer, say); new ones by default.
     ``num_warps``, ``maxnreg`` and ``slices_per_program`` override the tuned choices (for tuning sweeps; the last
-    must be 1 under GQA, and giving it selects the one-block-per-program kernel)."""
+    must be 1 under GQA, and giving it selects the one-block-per-program kernel); without them, where
+    ``block_attention_sm90.applies``, the Hopper kernel runs."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     sinu_args, rotate = _rotary_args(sinu_pos, rotate, q)
@@ -602,6 +586,11 @@ def block_attention_bwd_triton(
         raise ValueError("grads must have stride 1 along head_dim and even strides when a rotary is fused")
     dq, dk, dv = grads
     if block_seq.numel() == 0:
+        return dq, dk, dv
+    tuned = num_warps is None and maxnreg is None and slices_per_program is None
+    if tuned and sm90 is not None and sm90.applies(q, k, v, grad_out, grads, block_size, rotate):
+        sm90.block_attention_bwd_sm90(grad_out, q, k, v, offsets, block_cum, block_seq, scale, sinu_args, rotate,
+                                      grads)
         return dq, dk, dv
     group = hq // hkv
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),

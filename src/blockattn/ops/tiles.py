@@ -1,5 +1,6 @@
-"""Tile addressing shared by the kernels: pointers, masks and stores of ``[rows, CHUNK]`` tiles of ``[N, ..., D]``
-tensors; and the allocation of every kernel output."""
+"""What the kernels share: pointers, masks and stores of ``[rows, CHUNK]`` tiles of ``[N, ..., D]`` tensors, a grid
+slot's block bounds, the softmax and ``dS`` of a score tile (also called from the Gluon kernels of
+``block_attention_sm90``); and the allocation of every kernel output."""
 
 from __future__ import annotations
 
@@ -57,6 +58,42 @@ def load_or_zero(ptrs, mask):
     else:
         values = tl.load(ptrs, mask=mask, other=0)
     return values
+
+
+@triton.jit
+def block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr):
+    """First row and length of grid slot ``slot``'s block; length 0 for padding slots.
+
+    Clamped to ``[0, N)`` so that offsets whose values were not checked on the host never cause an out-of-bounds
+    access (see ``layout.block_table``).
+    """
+    seq = tl.load(block_seq_ptr + slot)
+    seq_c = tl.minimum(seq, num_seqs - 1)
+    seq_start = tl.load(offsets_ptr + seq_c).to(tl.int64)
+    seq_end = tl.load(offsets_ptr + seq_c + 1).to(tl.int64)
+    nblocks = (seq_end - seq_start + BLOCK_SIZE - 1) // BLOCK_SIZE
+    first_slot = tl.load(block_cum_ptr + seq_c).to(tl.int64) - nblocks
+    start = seq_start + (slot - first_slot) * BLOCK_SIZE
+    end = tl.minimum(start + BLOCK_SIZE, seq_end)
+    start = tl.minimum(tl.maximum(start, 0), num_tokens)
+    end = tl.minimum(tl.maximum(end, start), num_tokens)
+    length = tl.where(seq < num_seqs, end - start, 0)
+    return start, length
+
+
+@triton.jit
+def softmax_probs(scores, col_ok, qk_scale_log2):
+    """Exact row softmax of a score tile whose every key lies in the tile (``col_ok`` masks the partial block)."""
+    scores = tl.where(col_ok[None, :], scores * qk_scale_log2, float("-inf"))
+    p = tl.exp2(scores - tl.max(scores, axis=1)[:, None])
+    return p / tl.sum(p, axis=1)[:, None]
+
+
+@triton.jit
+def grad_scores(p, dp, dtype, scale):
+    """``dS = P * (dP - rowsum(P * dP))``, times ``scale``: ``Di`` from the tile itself, no preprocessing pass and no
+    ``o`` read."""
+    return (p * (dp - tl.sum(p * dp, axis=1)[:, None]) * scale).to(dtype)
 
 
 def new_output(like: torch.Tensor) -> torch.Tensor:
