@@ -262,6 +262,22 @@ def test_sm90_backward_accuracy_contract(rotate, dtype, poisoned_outputs, monkey
         assert snr_db(got, ref) > 45, f"{name}: SNR {snr_db(got, ref):.1f} dB"
 
 
+@pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU")
+def test_sm90_backward_fp32_angles_and_packed_heads(poisoned_outputs):
+    """fp32 angles with bf16 tensors, and q, k, v, dO as strided views of wider rows (TMA reads them in place)."""
+    lengths = random_lengths(5, 300, 64)
+    offsets = make_offsets(lengths, "cuda")
+    n = int(offsets[-1])
+    packed = torch.randn(n, 4 * 3 * 128 + 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    q, k, v, do = (packed[:, i * 384:(i + 1) * 384].view(n, 3, 128) for i in range(4))
+    do = do.detach()
+    sinu_pos = random_angles(n, 128, torch.float32, "cuda")
+    assert block_attention_ops.sm90.applies(q, k, v, do, (q, k, v), 64, 7)
+    out = blockattn.block_attention(q, k, v, offsets, sinu_pos=sinu_pos)
+    results = [out.detach(), *torch.autograd.grad(out, (q, k, v), do)]
+    assert_within_2x_pytorch(results, *(t.detach() for t in (q, k, v)), do, offsets, 64, sinu_pos=sinu_pos, rotate=7)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_apply_rotary_on_gpu(dtype, poisoned_outputs):
     from blockattn.reference import rotary_reference

@@ -43,6 +43,7 @@ from .rotary import (
     wide_stores_ok,
 )
 from .tiles import (
+    LOG2E,
     block_bounds,
     column_mask,
     grad_scores,
@@ -57,8 +58,6 @@ try:
     from . import block_attention_sm90 as sm90
 except ImportError:  # a triton without Gluon's Hopper API (before 3.6): the Triton kernels serve every GPU
     sm90 = None
-
-_LOG2E = 1.4426950408889634
 
 
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
@@ -453,7 +452,7 @@ def _block_attention_bwd_persistent_kernel(
     offs = tl.arange(0, BLOCK_SIZE)
     for item in tl.range(tl.program_id(0), num_blocks * NUM_HEADS, tl.num_programs(0), num_stages=PIPELINE_STAGES):
         start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, item // NUM_HEADS, num_seqs,
-                                      num_tokens, BLOCK_SIZE)
+                                     num_tokens, BLOCK_SIZE)
         row_ok = offs < length
         rows = start + offs
         head = item % NUM_HEADS
@@ -542,7 +541,7 @@ def block_attention_fwd_triton(
     grid = (block_seq.numel() * hq,)
     _block_attention_fwd_kernel[grid](
         q, k, v, out, sinu_args[0], block_seq, block_cum, offsets,
-        offsets.numel() - 1, n, d, scale * _LOG2E,
+        offsets.numel() - 1, n, d, scale * LOG2E,
         *_strides(q, k, v, out), *sinu_args[1:],
         NUM_Q_HEADS=hq, GROUP=hq // hkv, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
@@ -606,7 +605,7 @@ def block_attention_bwd_triton(
     if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None:
         programs = min(num_slots * hq, _persistent_programs(q.device))
         _block_attention_bwd_persistent_kernel[(programs,)](
-            *tensors, *table, num_seqs, num_slots, n, d, scale, scale * _LOG2E, *q.stride(), *grad_out.stride(),
+            *tensors, *table, num_seqs, num_slots, n, d, scale, scale * LOG2E, *q.stride(), *grad_out.stride(),
             NUM_HEADS=hq, PIPELINE_STAGES=cfg["PIPELINE_STAGES"], DO_SHARES_LAYOUT=grad_out.stride() == q.stride(),
             **common,
         )
@@ -614,7 +613,7 @@ def block_attention_bwd_triton(
     slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
     grid = (num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)
     _block_attention_bwd_kernel[grid](
-        *tensors, sinu_args[0], *table, num_seqs, n, d, scale, scale * _LOG2E, *_strides(*tensors), *sinu_args[1:],
+        *tensors, sinu_args[0], *table, num_seqs, n, d, scale, scale * LOG2E, *_strides(*tensors), *sinu_args[1:],
         NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
         INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in grads), **common,
     )

@@ -32,9 +32,8 @@ try:
 except ImportError:  # triton 3.6 names it async_copy_global_to_shared (removed later)
     from triton.experimental.gluon.language.nvidia.hopper.tma import async_copy_global_to_shared as tma_load
 
-from .tiles import block_bounds, grad_scores, softmax_probs
+from .tiles import LOG2E, block_bounds, grad_scores, softmax_probs
 
-_LOG2E = 1.4426950408889634
 _BLOCK_SIZE = 64
 _HEAD_DIM = 128
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
@@ -220,7 +219,7 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     dq, dk, dv = grads
     _block_attention_bwd_sm90_kernel[(block_seq.numel() * h,)](
         _descriptor(q), _descriptor(k), _descriptor(v), _descriptor(grad_out), dq, dk, dv, sinu_args[0],
-        block_seq, block_cum, offsets, offsets.numel() - 1, n, scale, scale * _LOG2E,
+        block_seq, block_cum, offsets, offsets.numel() - 1, n, scale, scale * LOG2E,
         dq.stride(0), dk.stride(0), dv.stride(0), *sinu_args[1:],
         NUM_HEADS=h, ROTATE=rotate, num_warps=4,
     )

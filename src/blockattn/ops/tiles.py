@@ -81,6 +81,9 @@ def block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_
     return start, length
 
 
+LOG2E = 1.4426950408889634  # softmax_probs takes the scale times this: exp(x) = exp2(x * log2(e))
+
+
 @triton.jit
 def softmax_probs(scores, col_ok, qk_scale_log2):
     """Exact row softmax of a score tile whose every key lies in the tile (``col_ok`` masks the partial block)."""
