@@ -181,11 +181,15 @@ def _block_attention_bwd_sm90_kernel(
                         out_layout)
 
 
-def _tma_readable(t: torch.Tensor) -> bool:
-    """``[N, H, D]`` readable as one ``[N, H * D]`` matrix by TMA: heads side by side in a row, 16-byte aligned."""
+def _rows_of_heads(t: torch.Tensor) -> bool:
+    """``[N, H, D]`` addressable as one ``[N, H * D]`` matrix: heads side by side in a row."""
     _, h, d = t.shape
-    return (t.stride(2) == 1 and (h == 1 or t.stride(1) == d) and t.stride(0) * t.element_size() % 16 == 0
-            and t.data_ptr() % 16 == 0)
+    return t.stride(2) == 1 and (h == 1 or t.stride(1) == d)
+
+
+def _tma_readable(t: torch.Tensor) -> bool:
+    """:func:`_rows_of_heads`, and rows and start 16-byte aligned, as TMA needs."""
+    return _rows_of_heads(t) and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
@@ -199,7 +203,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.T
     if q.dtype not in _GL_DTYPES:
         return False
     return (all(_tma_readable(t) for t in (q, k, v, grad_out))
-            and all(g.stride(2) == 1 and (g.shape[1] == 1 or g.stride(1) == g.shape[2]) for g in grads))
+            and all(_rows_of_heads(g) for g in grads))
 
 
 def _descriptor(t: torch.Tensor) -> TensorDescriptor:
