@@ -1,43 +1,30 @@
 """Block attention against the float64 reference: Triton kernels (interpreter on CPU, real on GPU) and the PyTorch
 CPU path, through the launchers and through the public autograd op."""
 
-import math
-
 import pytest
 import torch
 from conftest import (
-    HAS_GPU,
+    BLOCK_SIZES,
     KERNEL_DEVICE,
+    KERNEL_DTYPES,
     assert_within_2x_pytorch,
     make_offsets,
     odd_lengths,
     random_inputs,
     reference_grads,
+    run_backend,
+    run_kernels,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockattn
-from blockattn.layout import _block_scan_kernel, block_table
-from blockattn.ops import block_attention as impl
-
-BLOCK_SIZES = [16, 32, 64, 128]
-# bf16 tl.dot is wrong in Triton's interpreter: bf16 kernels are tested on the GPU only.
-KERNEL_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_GPU else [])
-
-
-def run_kernels(q, k, v, do, offsets, block_size):
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    table = block_table(offsets, q.shape[0], block_size)
-    out = impl.block_attention_fwd_triton(q, k, v, offsets, *table, block_size, scale)
-    return (out, *impl.block_attention_bwd_triton(do, q, k, v, offsets, *table, block_size, scale))
+from blockattn.block_table import build_block_table, scan_blocks
+from blockattn.ops import block_attention as triton_ops
 
 
 def run_torch_path(q, k, v, do, offsets, block_size):
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    table = block_table(offsets, q.shape[0], block_size)
-    out = impl.block_attention_fwd_torch(q, k, v, offsets, *table, block_size, scale)
-    return (out, *impl.block_attention_bwd_torch(do, q, k, v, offsets, *table, block_size, scale))
+    return run_backend("torch", q, k, v, do, offsets, block_size)
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
@@ -50,17 +37,16 @@ def test_block_scan_kernel(lengths, valid, block_size):
     """The GPU's one-launch scan (here through the interpreter) agrees with the PyTorch block table."""
     offsets = make_offsets(lengths, KERNEL_DEVICE)
     n = int(offsets[-1])
-    block_cum = torch.empty(len(lengths), dtype=torch.int32, device=KERNEL_DEVICE)
-    ok = torch.empty((), dtype=torch.bool, device=KERNEL_DEVICE)
-    _block_scan_kernel[(1,)](offsets, block_cum, ok, len(lengths), n, BLOCK_SIZE=block_size, CHUNK=1024)
+    block_cum, ok = scan_blocks(offsets, n, block_size)
     assert bool(ok) == valid
     if valid:
         expected = torch.tensor([-(-n // block_size) for n in lengths], dtype=torch.int32).cumsum(0)
         assert torch.equal(block_cum.cpu(), expected.int())
+        # The PyTorch ops that build the table where the scan kernel does not run agree with it.
+        assert torch.equal(build_block_table(offsets.cpu(), n, block_size).block_cum, expected.int())
     bad_end = offsets.clone()
     bad_end[-1] += 1
-    _block_scan_kernel[(1,)](bad_end, block_cum, ok, len(lengths), n, BLOCK_SIZE=block_size, CHUNK=1024)
-    assert not bool(ok)
+    assert not bool(scan_blocks(bad_end, n, block_size)[1])
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -82,7 +68,7 @@ def test_kernels_head_dims(block_size, head_dim, hq, hkv, poisoned_outputs):
 
 def test_kernels_split_head_dim(poisoned_outputs):
     """BS * D above the register budget: both kernels work on head-dim slices."""
-    assert impl.kernel_config(128, 256, backward=False)["NUM_CHUNKS"] > 1
+    assert triton_ops.kernel_config(128, 256, backward=False)["NUM_CHUNKS"] > 1
     q, k, v, do, offsets = random_inputs([130, 5], 2, 1, 136, torch.float16, KERNEL_DEVICE)
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, 128), q, k, v, do, offsets, 128)
 
@@ -91,16 +77,16 @@ def test_kernels_split_head_dim(poisoned_outputs):
 def test_kernels_persistent_backward(grad_layout, poisoned_outputs):
     """64-token blocks at D = 128 without GQA: the backward loops over many blocks per program, pipelined, when the
     inputs and gradients share one layout; a grad_out with its own strides gets its own tile of offsets."""
-    assert impl.kernel_config(64, 128, backward=True)["PIPELINE_STAGES"] > 1
+    assert triton_ops.kernel_config(64, 128, backward=True)["PIPELINE_STAGES"] > 1
     q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 7, 129], 2, 2, 128, torch.float16, KERNEL_DEVICE)
     if grad_layout == "transposed":
         do = do.transpose(0, 1).contiguous().transpose(0, 1)
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, 64), q, k, v, do, offsets, 64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_torch_path_odd_lengths_gqa(block_size, dtype):
+def test_torch_path_odd_lengths_gqa(block_size, dtype, poisoned_outputs):
     q, k, v, do, offsets = random_inputs(odd_lengths(block_size), 6, 2, 24, dtype, "cpu", torch.int64)
     assert_within_2x_pytorch(run_torch_path(q, k, v, do, offsets, block_size), q, k, v, do, offsets, block_size)
 
@@ -189,8 +175,9 @@ def test_fake_tensor_propagation():
 def test_opcheck_custom_ops():
     """torch.library.opcheck: fake vs real metadata, autograd registration, schema."""
     q, k, v, do, offsets = random_inputs([30, 3], 4, 2, 16, torch.float32, "cpu")
-    table = block_table(offsets, q.shape[0], 16)
-    torch.library.opcheck(torch.ops.blockattn.block_attention_bwd.default, (do, q, k, v, offsets, None, *table, 16, 0.25, 0))
+    table = build_block_table(offsets, q.shape[0], 16)
+    torch.library.opcheck(torch.ops.blockattn.block_attention_bwd.default,
+                          (do, q, k, v, offsets, None, *table, 16, 0.25, 0))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.blockattn.block_attention_fwd.default, (q, k, v, offsets, None, 16, 0.25, 0))
 
@@ -222,3 +209,57 @@ def test_flop_counter_counts_in_block_work():
     counts = counter.get_flop_counts()["Global"]
     assert counts[torch.ops.blockattn.block_attention_fwd] == 4 * pairs * hq * d
     assert counts[torch.ops.blockattn.block_attention_bwd] == 10 * pairs * hq * d
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_torch_path_non_finite_input_stays_in_its_block_and_head(where, bad):
+    """As on the GPU: a NaN or inf shows in the output of its own block and head, and nowhere else."""
+    lengths, bs = [40, 7], 16
+    q, k, v, _, offsets = random_inputs(lengths, 2, 2, 16, torch.float32, "cpu")
+    inputs = dict(q=q, k=k, v=v)
+    inputs[where][20, 1, 3] = bad  # row 20: block 1 (rows 16..31) of sequence 0, head 1
+    out = blockattn.block_attention(*inputs.values(), offsets, block_size=bs)
+    ref = blockattn.reference.block_attention_reference(*inputs.values(), offsets, block_size=bs)
+    poisoned = ~torch.isfinite(ref)
+    assert poisoned.any()
+    assert torch.equal(~torch.isfinite(out), poisoned)
+    assert not poisoned[:16].any() and not poisoned[32:].any() and not poisoned[:, 0].any()
+    torch.testing.assert_close(out[~poisoned].double(), ref[~poisoned], atol=1e-5, rtol=1e-4)
+
+
+def test_float64_gradcheck_cpu():
+    """float64 on the CPU path: torch.autograd.gradcheck of q, k, v, with a fused rotary."""
+    from conftest import random_angles
+
+    q, k, v, _, offsets = random_inputs([5, 0, 19], 2, 1, 16, torch.float64, "cpu")
+    sinu_pos = random_angles(24, 16, torch.float64)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = blockattn.block_attention(*leaves, offsets, block_size=16, sinu_pos=sinu_pos, rotate=("q", "k"))
+    assert out.dtype == torch.float64
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: blockattn.block_attention(q, k, v, offsets, block_size=16, sinu_pos=sinu_pos,
+                                                  rotate=("q", "k")), leaves)
+
+
+def test_meta_tensors_give_shapes():
+    """Model initialisation on ``device="meta"`` and shape inference: forward, backward, nested, projection and
+    rotary run through the fake implementations, reading no values."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        q = torch.randn(100, 4, 64, requires_grad=True)
+        k = torch.randn(100, 2, 64, requires_grad=True)
+        offsets = torch.tensor([0, 30, 100])
+        sinu_pos = torch.randn(100, 64)
+        with FlopCounterMode(display=False):
+            out = blockattn.block_attention(q, k, k, offsets, sinu_pos=sinu_pos)
+            out.sum().backward()
+        nested = [torch.nested.nested_tensor_from_jagged(t.detach(), offsets) for t in (q, k, k)]
+        nested_out = blockattn.block_attention(*nested)
+        x, w = torch.randn(100, 32), torch.randn(32, 8 * 64)
+        projected = blockattn.qkv_block_attention(x, w, offsets, num_heads=4, num_kv_heads=2)
+        rotated = blockattn.apply_rotary(q, sinu_pos)
+    assert out.device.type == "meta" and out.shape == q.shape and q.grad.shape == q.shape
+    assert k.grad.shape == k.shape and nested_out.is_nested and projected.shape == (100, 4, 64)
+    assert rotated.shape == q.shape

@@ -1,14 +1,20 @@
 """GPU-only behaviour of the block attention kernels (skipped without a CUDA GPU)."""
 
+import dataclasses
+import fcntl
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
+    BLOCK_SIZES,
     HAS_GPU,
     assert_within_2x_pytorch,
+    capture_cuda_graph,
     make_offsets,
     max_err,
     odd_lengths,
@@ -16,14 +22,27 @@ from conftest import (
     random_inputs,
     reference_grads,
     requires_gpu,
-    snr_db,
 )
 
 import blockattn
-from blockattn.layout import rotate_mask
-from blockattn.ops import block_attention as block_attention_ops
+from blockattn import backends, devices
+from blockattn.backends import AttentionCall
+from blockattn.checks import rotate_mask
+from blockattn.ops.tiles import ROTATE_ALL
+from blockattn.reference import snr_db
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
+ON_HOPPER = HAS_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture
+def gpu_memory_alone():
+    """One test at a time (across pytest-xdist workers) for the cases that fill a third of an 80 GB card: two of
+    them at once, beside the other tests, run out of memory."""
+    with open(Path(tempfile.gettempdir()) / "blockattn-large-gpu-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+        torch.cuda.empty_cache()
 
 
 def public_op(q, k, v, do, offsets, block_size, **rotary):
@@ -39,10 +58,11 @@ def random_lengths(num_seqs, max_len, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("head_dim", [16, 40, 64, 128, 256])
 def test_accuracy_contract(dtype, block_size, head_dim, poisoned_outputs):
-    """SPEC §5: 2x PyTorch's error in the same precision; bf16 SNR > 40 dB forward, > 45 dB gradients."""
+    """docs/semantics.md, "Accuracy": 2x PyTorch's error in the same precision; bf16 SNR > 40 dB forward, > 45 dB
+    gradients."""
     q, k, v, do, offsets = random_inputs(random_lengths(6, 300, block_size), 4, 2, head_dim, dtype, "cuda")
     results = public_op(q, k, v, do, offsets, block_size)
     assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size)
@@ -86,15 +106,7 @@ def test_cuda_graph_replay_with_new_offsets():
         out.backward(do)
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up: compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-
+    graph, static_out = capture_cuda_graph(step)
     for lengths in ([0, 1, 63, 64, 65, 300, n - 493], [n, 0, 0, 0, 0, 0, 0]):
         static_offsets.copy_(make_offsets(lengths, "cuda"))
         graph.replay()
@@ -133,7 +145,7 @@ def test_nested_on_gpu():
 
 
 @pytest.mark.parametrize("hq,hkv,rotary", [(8, 1, False), (3, 3, False), (3, 3, True)], ids=["mqa", "mha", "rotary"])
-def test_more_than_2_pow_31_elements(hq, hkv, rotary):
+def test_more_than_2_pow_31_elements(hq, hkv, rotary, gpu_memory_alone):
     """N * H * D > 2^31: row offsets must be computed in int64. Checks the blocks at the far end."""
     d = 128
     n = 2**31 // (hq * d) + 1000
@@ -150,7 +162,7 @@ def test_more_than_2_pow_31_elements(hq, hkv, rotary):
     assert tail * hq * d > 2**31
     tail_offsets = make_offsets([n - 200 - tail, 77, 123], "cuda")
     exact = reference_grads(q[tail:], k[tail:], v[tail:], do[tail:], tail_offsets, 64,
-                            sinu_pos=None if sinu_pos is None else sinu_pos[tail:], rotate=7 if rotary else 0)
+                            sinu_pos=None if sinu_pos is None else sinu_pos[tail:], rotate=ROTATE_ALL if rotary else 0)
     for got, ref in zip([out, q.grad, k.grad, v.grad], exact):
         assert snr_db(got[tail:], ref) > 40
 
@@ -179,7 +191,8 @@ def test_bad_offsets_trip_device_assert():
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
 @pytest.mark.parametrize("rotate", [("q", "k", "v"), ("q", "k"), ("v",)], ids=["qkv", "qk", "v"])
 def test_fused_rotary_accuracy_contract(rotate, dtype, block_size, head_dim, poisoned_outputs):
-    """SPEC §5 for rotary + attention: 2x PyTorch's same-precision error (rotary then attention), bf16 SNR."""
+    """The accuracy contract for rotary + attention: 2x PyTorch's same-precision error (rotary then attention), bf16
+    SNR."""
     q, k, v, do, offsets = random_inputs(random_lengths(6, 300, block_size), 3, 3, head_dim, dtype, "cuda")
     sinu_pos = random_angles(q.shape[0], head_dim, dtype, "cuda")
     mask = rotate_mask(rotate)
@@ -196,7 +209,7 @@ def test_fused_rotary_float32(head_dim, poisoned_outputs):
     q, k, v, do, offsets = random_inputs(random_lengths(5, 200, 64), 2, 2, head_dim, torch.float32, "cuda")
     sinu_pos = random_angles(q.shape[0], head_dim, torch.float32, "cuda")
     results = public_op(q, k, v, do, offsets, 64, sinu_pos=sinu_pos)
-    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=7)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=ROTATE_ALL)
 
 
 @pytest.mark.parametrize("heads", [(8, 1), (4, 2)])
@@ -204,7 +217,7 @@ def test_fused_rotary_gqa(heads):
     q, k, v, do, offsets = random_inputs(random_lengths(5, 300, 64), *heads, 128, torch.bfloat16, "cuda")
     sinu_pos = random_angles(q.shape[0], 128, torch.float32, "cuda")  # fp32 angles with bf16 tensors
     results = public_op(q, k, v, do, offsets, 64, sinu_pos=sinu_pos)
-    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=7)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=ROTATE_ALL)
 
 
 def test_fused_rotary_backward_is_bitwise_deterministic():
@@ -216,40 +229,45 @@ def test_fused_rotary_backward_is_bitwise_deterministic():
             assert torch.equal(a, b)
 
 
-def test_sm90_backward_takes_the_production_shape():
-    """Which backward runs the Hopper (Gluon) kernel: that of 64-token blocks, D = 128, no GQA, 16-bit tensors that
-    TMA reads as [N, H * D] rows, with or without a rotary."""
-    sm90 = block_attention_ops.sm90
+def test_dispatcher_on_this_gpu():
+    """On this GPU the Hopper kernel takes the backward of 64-token blocks, D = 128, no GQA, 16-bit tensors that TMA
+    reads as [N, H * D] rows, with or without a rotary (on other GPUs the Triton kernels do); the forward and every
+    other backward run the Triton kernels."""
     q, k, v, do, _ = random_inputs([100], 3, 3, 128, torch.bfloat16, "cuda")
-    on_hopper = torch.cuda.get_device_capability()[0] == 9
-    assert sm90 is not None
-    for rotate in (0, 1, 7):
-        assert sm90.applies(q, k, v, do, (q, k, v), 64, rotate) == on_hopper
+
+    def chosen(pass_name, q, k, v, do, grads, block_size, rotate):
+        call = AttentionCall.of(pass_name, q, k, block_size, rotate, tensors=(q, k, v, do), grads=grads)
+        return backends.select(call).name
+
+    production = "sm90-gluon" if ON_HOPPER else "triton"
+    for rotate in (0, 1, ROTATE_ALL):
+        assert chosen("bwd", q, k, v, do, (q, k, v), 64, rotate) == production
+        assert chosen("fwd", q, k, v, do, (), 64, rotate) == "triton"
     padded_heads = torch.randn(100, 3, 136, dtype=torch.bfloat16, device="cuda")[..., :128]
     odd_rows = torch.randn(100, 385, dtype=torch.bfloat16, device="cuda")[:, :384].view(100, 3, 128)
-    for rejected in [
-        (q, k, v, do, (q, k, v), 128, 7),
-        (q, k[:, :1], v[:, :1], do, (q, k[:, :1], v[:, :1]), 64, 7),  # GQA
-        (*(t.float() for t in (q, k, v, do)), (q, k, v), 64, 7),
-        (q[..., :64], k[..., :64], v[..., :64], do[..., :64], (q, k, v), 64, 7),
-        (padded_heads, k, v, do, (q, k, v), 64, 7),  # heads not side by side: no [N, H * D] descriptor
-        (odd_rows, k, v, do, (q, k, v), 64, 7),  # rows not 16-byte aligned
-        (q, k, v, do, (padded_heads, k, v), 64, 7),
+    for other in [
+        (q, k, v, do, (q, k, v), 128, ROTATE_ALL),
+        (q, k[:, :1], v[:, :1], do, (q, k[:, :1], v[:, :1]), 64, ROTATE_ALL),  # GQA
+        (*(t.float() for t in (q, k, v, do)), (q, k, v), 64, ROTATE_ALL),
+        (q[..., :64], k[..., :64], v[..., :64], do[..., :64], (q, k, v), 64, ROTATE_ALL),
+        (padded_heads, k, v, do, (q, k, v), 64, ROTATE_ALL),  # heads not side by side: no [N, H * D] descriptor
+        (odd_rows, k, v, do, (q, k, v), 64, ROTATE_ALL),  # rows not 16-byte aligned
+        (q, k, v, do, (padded_heads, k, v), 64, ROTATE_ALL),
     ]:
-        assert not sm90.applies(*rejected)
+        assert chosen("bwd", *other) == "triton"
 
 
-@pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rotate", [(), ("q",), ("k",), ("q", "k"), ("v",), ("q", "v"), ("k", "v"), ("q", "k", "v")],
                          ids=lambda r: "".join(r) or "plain")
 def test_sm90_backward_accuracy_contract(rotate, dtype, poisoned_outputs, monkeypatch):
-    """The Hopper kernel (checked to run) on odd lengths, plain and with every rotate choice: SPEC §5 against
-    float64."""
-    sm90 = block_attention_ops.sm90
+    """The Hopper kernel (checked to run) on odd lengths, plain and with every rotate choice: the accuracy contract
+    against float64."""
     calls = []
-    launch = sm90.block_attention_bwd_sm90
-    monkeypatch.setattr(sm90, "block_attention_bwd_sm90", lambda *args: calls.append(1) or launch(*args))
+    hopper = backends.BACKENDS["sm90-gluon"]
+    monkeypatch.setitem(backends.BACKENDS, "sm90-gluon", dataclasses.replace(
+        hopper, backward=lambda *args: calls.append(1) or hopper.backward(*args)))
     q, k, v, do, offsets = random_inputs(random_lengths(6, 400, 64), 3, 3, 128, dtype, "cuda")
     sinu_pos = random_angles(q.shape[0], 128, dtype, "cuda") if rotate else None
     rotary = {"sinu_pos": sinu_pos, "rotate": rotate} if rotate else {}
@@ -262,7 +280,7 @@ def test_sm90_backward_accuracy_contract(rotate, dtype, poisoned_outputs, monkey
         assert snr_db(got, ref) > 45, f"{name}: SNR {snr_db(got, ref):.1f} dB"
 
 
-@pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 def test_sm90_backward_fp32_angles_and_packed_heads(poisoned_outputs):
     """fp32 angles with bf16 tensors, and q, k, v, dO as strided views of wider rows (TMA reads them in place)."""
     lengths = random_lengths(5, 300, 64)
@@ -272,10 +290,12 @@ def test_sm90_backward_fp32_angles_and_packed_heads(poisoned_outputs):
     q, k, v, do = (packed[:, i * 384:(i + 1) * 384].view(n, 3, 128) for i in range(4))
     do = do.detach()
     sinu_pos = random_angles(n, 128, torch.float32, "cuda")
-    assert block_attention_ops.sm90.applies(q, k, v, do, (q, k, v), 64, 7)
+    call = AttentionCall.of("bwd", q, k, 64, ROTATE_ALL, tensors=(q, k, v, do), grads=(q, k, v))
+    assert backends.select(call).name == "sm90-gluon"
     out = blockattn.block_attention(q, k, v, offsets, sinu_pos=sinu_pos)
     results = [out.detach(), *torch.autograd.grad(out, (q, k, v), do)]
-    assert_within_2x_pytorch(results, *(t.detach() for t in (q, k, v)), do, offsets, 64, sinu_pos=sinu_pos, rotate=7)
+    assert_within_2x_pytorch(results, *(t.detach() for t in (q, k, v)), do, offsets, 64, sinu_pos=sinu_pos,
+                             rotate=ROTATE_ALL)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -295,7 +315,8 @@ def test_apply_rotary_on_gpu(dtype, poisoned_outputs):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads,head_dim,rotate", [((3, 3), 128, 7), ((4, 1), 64, 3), ((2, 2), 40, 0)],
+@pytest.mark.parametrize("heads,head_dim,rotate",
+                         [((3, 3), 128, ROTATE_ALL), ((4, 1), 64, rotate_mask(("q", "k"))), ((2, 2), 40, 0)],
                          ids=["ads-rotary-shape", "gqa-qk", "d40-plain"])
 def test_qkv_block_attention_on_gpu(dtype, heads, head_dim, rotate):
     from test_rotary import check_qkv_block_attention
@@ -331,15 +352,27 @@ def test_qkv_block_attention_compiles_and_captures(head_dim):
         loss.backward()
         return loss
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_cuda_graph(step)
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(compiled_grads, [x.grad, w.grad]):
         torch.testing.assert_close(a, b)
+
+
+def test_gpu_before_ampere_runs_the_pytorch_path(monkeypatch, poisoned_outputs):
+    """A GPU the kernels were not built for gets the PyTorch path (and the block table from PyTorch ops), not a
+    kernel it cannot compile: pretend this one is a Turing (7.5)."""
+    monkeypatch.setattr(devices, "capability", lambda device: (7, 5))
+    q, k, v, do, offsets = random_inputs(random_lengths(5, 200, 32), 4, 2, 64, torch.bfloat16, "cuda")
+    sinu_pos = random_angles(q.shape[0], 64, torch.float32, "cuda")
+    results = public_op(q, k, v, do, offsets, 32, sinu_pos=sinu_pos, rotate=("q", "k"))
+    mask = rotate_mask(("q", "k"))
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 32, sinu_pos=sinu_pos, rotate=mask)
+    y = blockattn.apply_rotary(q, sinu_pos)
+    assert max_err(y, blockattn.reference.rotary_reference(q, sinu_pos)) <= 2 * torch.finfo(torch.bfloat16).eps * 8
+
+
+def test_float64_is_refused_on_the_gpu():
+    q = torch.randn(10, 2, 16, dtype=torch.float64, device="cuda")
+    with pytest.raises(TypeError, match="q must be float16, bfloat16 or float32 on cuda"):
+        blockattn.block_attention(q, q, q, make_offsets([10], "cuda"))

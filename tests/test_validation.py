@@ -17,7 +17,8 @@ CASES = [
     ("q 2-D", lambda q, k, v, o: (q[:, 0], k, v, o), {}, ValueError, "q must be 3-D"),
     ("k 4-D", lambda q, k, v, o: (q, k[None], v, o), {}, ValueError, "k must be 3-D"),
     ("int q", lambda q, k, v, o: (q.long(), k, v, o), {}, TypeError, "q must be float16"),
-    ("mixed dtypes", lambda q, k, v, o: (q, k.double(), v, o), {}, TypeError, "k must be float16"),
+    ("mixed dtypes", lambda q, k, v, o: (q, k.double(), v, o), {}, TypeError, "share a dtype"),
+    ("int k", lambda q, k, v, o: (q, k.int(), v, o), {}, TypeError, "k must be float16"),
     ("k/v dtype", lambda q, k, v, o: (q.half(), k.half(), v.bfloat16(), o), {}, TypeError, "share a dtype"),
     ("N mismatch", lambda q, k, v, o: (q, k[:9], v[:9], o), {}, ValueError, "number of tokens"),
     ("D mismatch", lambda q, k, v, o: (q, k[..., :16], v[..., :16], o), {}, ValueError, "head_dim"),
@@ -35,7 +36,9 @@ CASES = [
     ("no sequence, N > 0", lambda q, k, v, o: (q, k, v, o[:1]), {}, ValueError, "no sequence \\(B = 0\\)"),
     ("block size", lambda *a: a, {"block_size": 48}, ValueError, "block_size must be one of"),
     ("block size bool", lambda *a: a, {"block_size": True}, ValueError, "block_size must be one of"),
-    ("scale", lambda *a: a, {"scale": -1.0}, ValueError, "scale must be a positive"),
+    ("scale", lambda *a: a, {"scale": -1.0}, ValueError, "scale must be a finite positive"),
+    ("scale inf", lambda *a: a, {"scale": float("inf")}, ValueError, "scale must be a finite positive"),
+    ("scale nan", lambda *a: a, {"scale": float("nan")}, ValueError, "scale must be a finite positive"),
     ("q not tensor", lambda q, k, v, o: (q.tolist(), k, v, o), {}, TypeError, "q must be a torch.Tensor"),
 ]
 

@@ -6,45 +6,7 @@ import math
 
 import torch
 
-from . import custom_ops
-from .layout import GPU_DTYPES, rotate_mask, validate, validate_sinu_pos
-
-
-def _same_structure(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same offsets: the same tensor, or equal values where comparing them is free (CPU); on a GPU comparing values
-    would stall the host, so there only the shape is compared."""
-    if a is b:
-        return True
-    if a.shape != b.shape or a.device != b.device:
-        return False
-    return a.device.type != "cpu" or torch.equal(a, b)
-
-
-def _unpack_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """``torch.jagged`` nested tensors ``[B, j, H, D]`` -> their ``[N, H, D]`` values and shared offsets."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or not t.is_nested or t.layout != torch.jagged:
-            raise TypeError(f"{name} must be a nested tensor with layout=torch.jagged when q is one")
-        if t.dim() != 4 or t._ragged_idx != 1:
-            raise ValueError(f"{name} must be a jagged nested tensor of shape [B, j, H, D], got {t.shape}")
-    offsets = q.offsets()
-    for name, t in (("k", k), ("v", v)):
-        if not _same_structure(t.offsets(), offsets):
-            raise ValueError(f"{name} must have the same jagged structure (offsets) as q")
-    return q.values(), k.values(), v.values(), offsets
-
-
-def _rotary_args(sinu_pos, rotate, q: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor | None, int]:
-    """Validated ``sinu_pos`` (as ``[N, D]``) and the ``rotate`` bit mask; nothing is rotated without angles."""
-    mask = rotate_mask(rotate)
-    if sinu_pos is None:
-        return None, 0
-    if isinstance(sinu_pos, torch.Tensor) and sinu_pos.is_nested:
-        if sinu_pos.layout != torch.jagged or not _same_structure(sinu_pos.offsets(), offsets):
-            raise ValueError("sinu_pos, when nested, must be a torch.jagged tensor [B, j, D] with the structure of q")
-        sinu_pos = sinu_pos.values()
-    validate_sinu_pos(sinu_pos, q, "q")
-    return sinu_pos, mask
+from . import checks, custom_ops
 
 
 def block_attention(
@@ -82,13 +44,17 @@ def block_attention(
         rotate: which of ``"q"``, ``"k"``, ``"v"`` to rotate (all three by default, as in the workload this
             comes from; standard RoPE is ``("q", "k")``). Ignored without ``sinu_pos``.
 
-    ``D`` is a multiple of 8 in [16, 256]. On CUDA the Triton kernels run; fp16 and bf16 multiply in their own
-    precision with fp32 accumulation and an fp32 softmax; rotations are computed in fp32, the rotated operands
-    rounded to the inputs' dtype, and gradients turned back in fp32 before their one store. float32 inputs are
-    computed in true fp32 (no TF32). On the CPU a PyTorch implementation of the same semantics runs in fp32.
-    Gradients flow to ``q``, ``k`` and ``v``; the backward is deterministic.
+    ``D`` is a multiple of 8 in [16, 256]. On NVIDIA GPUs from Ampere on the Triton kernels run (on Hopper a
+    Gluon kernel takes the backward of the production shape; ``python -m blockattn info`` lists the backends); fp16
+    and bf16 multiply in their own precision with fp32 accumulation and an fp32 softmax; rotations are computed in
+    fp32, the rotated operands rounded to the inputs' dtype, and gradients turned back in fp32 before their one
+    store. float32 inputs are computed in true fp32 (no TF32). Elsewhere (the CPU, older GPUs) a PyTorch
+    implementation of the same semantics runs in fp32, and float64 inputs are accepted on the CPU (for
+    ``torch.autograd.gradcheck``). Meta tensors give the output's metadata. Gradients flow to ``q``, ``k`` and
+    ``v``; the backward is deterministic. A NaN or inf in an input stays in its own block and head.
 
-    Validation: shapes, dtypes, devices and options raise ``TypeError``/``ValueError`` before any kernel runs.
+    Validation (docs/semantics.md): shapes, dtypes, devices and options raise ``TypeError``/``ValueError`` before any
+    kernel runs; ``scale`` must be finite and positive.
     The values of ``offsets`` are checked with a ``ValueError`` on the CPU; on a GPU, reading them would stall the
     host, so they are checked by a device-side assertion that fails the next synchronising call, and the kernels
     never read or write outside ``[0, N)`` even for bad offsets.
@@ -98,46 +64,17 @@ def block_attention(
         if offsets is not None:
             raise ValueError("offsets must be None when q, k, v are nested tensors (their offsets are used)")
         nested_q = q
-        q, k, v, offsets = _unpack_nested(q, k, v)
+        q, k, v, offsets = checks.unpack_nested(q, k, v)
     elif offsets is None:
         raise TypeError("offsets is required when q, k, v are [N, H, D] tensors")
-    validate(q, k, v, offsets, block_size, scale)
-    sinu_pos, rotate = _rotary_args(sinu_pos, rotate, q, offsets)
+    checks.attention(q, k, v, offsets, block_size, scale)
+    sinu_pos, rotate = checks.rotary_args(sinu_pos, rotate, q, offsets)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out = custom_ops.block_attention_fwd(q, k, v, offsets, sinu_pos, block_size, scale, rotate)[0]
     if nested:
         return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)
     return out
-
-
-def _validate_projection(x, w, bias, num_heads, num_kv_heads) -> None:
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"{name} must be a positive int, got {count!r}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [N, d_model], got shape {tuple(x.shape)}")
-    if x.dtype not in GPU_DTYPES:
-        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    num_all = num_heads + 2 * num_kv_heads
-    if w.dim() != 2 or w.shape[0] != x.shape[1] or w.shape[1] % num_all != 0:
-        raise ValueError(f"w must be [d_model, (num_heads + 2 * num_kv_heads) * head_dim] = [{x.shape[1]}, "
-                         f"{num_all} * head_dim], got {tuple(w.shape)}")
-    tensors = [("w", w)]
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.shape != (w.shape[1],):
-            raise ValueError(f"bias must be 1-D [{w.shape[1]}] (one per projected column), got {tuple(bias.shape)}")
-        tensors.append(("bias", bias))
-    for name, t in tensors:
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} must have the dtype of x ({x.dtype}), got {t.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")
 
 
 def qkv_block_attention(
@@ -171,13 +108,12 @@ def qkv_block_attention(
 
     Returns ``[N, num_heads, D]``. Gradients flow to ``x``, ``w`` and ``bias``.
     """
-    _validate_projection(x, w, bias, num_heads, num_kv_heads)
-    if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
+    checks.projection(x, w, bias, num_heads, num_kv_heads)
+    checks.tensor("offsets", offsets)
     # Check the attention arguments from shapes alone, before the projection runs: views of a zero-stride tensor.
     shapes = custom_ops.split_heads(x.new_empty(()).expand(x.shape[0], w.shape[1]), num_heads, num_kv_heads)
-    validate(*shapes, offsets, block_size, scale)
-    sinu_pos, rotate = _rotary_args(sinu_pos, rotate, shapes[0], offsets)
+    checks.attention(*shapes, offsets, block_size, scale)
+    sinu_pos, rotate = checks.rotary_args(sinu_pos, rotate, shapes[0], offsets)
     scale = 1.0 / math.sqrt(shapes[0].shape[-1]) if scale is None else float(scale)
     qkv = x @ w if bias is None else torch.addmm(bias, x, w)
     return custom_ops.qkv_block_attention_fwd(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale,

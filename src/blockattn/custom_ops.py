@@ -1,12 +1,13 @@
-"""``torch.library`` custom ops: device dispatch, fake (meta) implementations, autograd and FLOP formulas.
+"""``torch.library`` custom ops: autograd, fake (meta) implementations and FLOP formulas, around the dispatcher.
 
 The ops are opaque to ``torch.compile`` (one node each, no graph break) and their fake implementations give the
-output metadata without running anything. The forwards also return the block table they built, so that the
-backwards reuse it instead of building it again.
+output metadata without running anything (``torch.compile``, meta tensors). Each op asks ``backends.select`` which
+backend runs it. The forwards also return the block table they built, so that the backwards reuse it instead of
+building it again.
 
 Three families: ``rotary`` (``apply_rotary``), ``block_attention_*`` on separate ``q, k, v`` and
 ``qkv_block_attention_*`` on one packed ``[N, (Hq + 2 Hkv) * D]`` projection, whose backward writes the packed
-gradient in one buffer. ``rotate`` is a mask of ``layout.ROTATE_BITS``; ``sinu_pos`` gets no gradient.
+gradient in one buffer. ``rotate`` is a mask of ``ops.tiles.ROTATE_BITS``; ``sinu_pos`` gets no gradient.
 """
 
 from __future__ import annotations
@@ -14,15 +15,19 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from .layout import block_table, max_blocks
-from .ops import block_attention as impl
-from .ops import rotary as rotary_impl
+from . import backends
+from .backends import AttentionCall
+from .block_table import BlockTable, build_block_table, empty_block_table
+from .devices import kernels_run_on
 from .ops import tiles
+from .ops.block_attention_torch import rotary_torch
+from .ops.rotary import rotary_triton
+from .ops.tiles import ROTATE_NONE
 
 
 @torch.library.custom_op("blockattn::rotary", mutates_args=())
 def rotary(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool) -> torch.Tensor:
-    run = rotary_impl.rotary_triton if x.device.type == "cuda" else rotary_impl.rotary_torch
+    run = rotary_triton if kernels_run_on(x.device) else rotary_torch
     return run(x, sinu_pos, inverse)
 
 
@@ -56,20 +61,19 @@ def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[t
 
 
 def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate):
-    block_cum, block_seq = block_table(offsets, q.shape[0], block_size)
-    run = impl.block_attention_fwd_triton if q.device.type == "cuda" else impl.block_attention_fwd_torch
-    return run(q, k, v, offsets, block_cum, block_seq, block_size, scale, sinu_pos, rotate), block_cum, block_seq
+    """``(out, *table)``: the block table, then the forward by the backend the dispatcher picks."""
+    rotate = rotate if sinu_pos is not None else ROTATE_NONE
+    backend = backends.select(AttentionCall.of("fwd", q, k, block_size, rotate))
+    table = build_block_table(offsets, q.shape[0], block_size)
+    return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate), *table
 
 
-def _backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate, grads=None):
-    run = impl.block_attention_bwd_triton if q.device.type == "cuda" else impl.block_attention_bwd_torch
-    return run(grad_out, q, k, v, offsets, block_cum, block_seq, block_size, scale, sinu_pos, rotate, grads=grads)
-
-
-def _fake_table(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    num_seqs = offsets.shape[0] - 1
-    return (offsets.new_empty(num_seqs, dtype=torch.int32),
-            offsets.new_empty(max_blocks(num_tokens, num_seqs, block_size), dtype=torch.int32))
+def _backward(grad_out, q, k, v, offsets, sinu_pos, table, block_size, scale, rotate, grads):
+    """Write ``(dq, dk, dv)`` into ``grads`` by the backend the dispatcher picks; returns ``grads``."""
+    rotate = rotate if sinu_pos is not None else ROTATE_NONE
+    call = AttentionCall.of("bwd", q, k, block_size, rotate, tensors=(q, k, v, grad_out), grads=grads)
+    backends.select(call).backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, grads)
+    return grads
 
 
 @torch.library.custom_op("blockattn::block_attention_fwd", mutates_args=())
@@ -77,13 +81,13 @@ def block_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None,
     block_size: int, scale: float, rotate: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``layout.block_table``)."""
+    """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``block_table.BlockTable``)."""
     return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate)
 
 
 @block_attention_fwd.register_fake
 def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate):
-    return torch.empty_like(q), *_fake_table(offsets, q.shape[0], block_size)
+    return torch.empty_like(q), *empty_block_table(offsets, q.shape[0], block_size)
 
 
 @torch.library.custom_op("blockattn::block_attention_bwd", mutates_args=())
@@ -92,7 +96,9 @@ def block_attention_bwd(
     sinu_pos: torch.Tensor | None, block_cum: torch.Tensor, block_seq: torch.Tensor, block_size: int, scale: float,
     rotate: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate)
+    grads = (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
+    return _backward(grad_out, q, k, v, offsets, sinu_pos, BlockTable(block_cum, block_seq), block_size, scale, rotate,
+                     grads)
 
 
 @block_attention_bwd.register_fake
@@ -131,7 +137,7 @@ def qkv_block_attention_fwd(
 def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate):
     n = qkv.shape[0]
     head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
-    return qkv.new_empty(n, num_heads, head_dim), *_fake_table(offsets, n, block_size)
+    return qkv.new_empty(n, num_heads, head_dim), *empty_block_table(offsets, n, block_size)
 
 
 @torch.library.custom_op("blockattn::qkv_block_attention_bwd", mutates_args=())
@@ -142,8 +148,8 @@ def qkv_block_attention_bwd(
 ) -> torch.Tensor:
     """``dqkv`` in the packed layout of ``qkv``: the kernel writes dq, dk, dv straight into views of one buffer."""
     dqkv = tiles.new_output(qkv)
-    _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_cum, block_seq,
-              block_size, scale, rotate, grads=split_heads(dqkv, num_heads, num_kv_heads))
+    _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, BlockTable(block_cum, block_seq),
+              block_size, scale, rotate, split_heads(dqkv, num_heads, num_kv_heads))
     return dqkv
 
 

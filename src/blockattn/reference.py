@@ -1,4 +1,5 @@
-"""Plain PyTorch references: the semantics of SPEC §1 written as directly as possible.
+"""Plain PyTorch references: the semantics of docs/semantics.md written as directly as possible, and the accuracy
+measure of its "Accuracy" section.
 
 These loop over sequences and blocks in Python; they are for tests and accuracy reports, not for speed. With the
 default ``compute_dtype=torch.float64`` they are the ground truth; with the inputs' own low-precision dtype they are
@@ -42,7 +43,6 @@ def block_attention_reference(
     return torch.cat(pieces, dim=0)
 
 
-
 def rotary_reference(
     x: torch.Tensor,
     sinu_pos: torch.Tensor,
@@ -50,7 +50,8 @@ def rotary_reference(
     inverse: bool = False,
     compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Rotary embedding with interleaved pairs (SPEC §2) of ``[N, H, D]`` by ``sinu_pos = [sin | cos]``, ``[N, D]``:
+    """Rotary embedding with interleaved pairs (docs/semantics.md, "Rotary") of ``[N, H, D]`` by
+    ``sinu_pos = [sin | cos]``, ``[N, D]``:
     ``y[2i] = x[2i] cos_i - x[2i+1] sin_i``, ``y[2i+1] = x[2i+1] cos_i + x[2i] sin_i``; ``inverse`` turns the other
     way (``sin -> -sin``). Differentiable in ``x``; returns ``compute_dtype``."""
     half = x.shape[-1] // 2
@@ -61,3 +62,9 @@ def rotary_reference(
     x = x.to(compute_dtype)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+
+
+def snr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Signal-to-noise ratio of ``out`` against ``ref`` in dB: ``10 log10(|ref|^2 / |out - ref|^2)``."""
+    noise = (out.double() - ref.double()).pow(2).sum().item()
+    return 10 * math.log10(ref.double().pow(2).sum().item() / max(noise, 1e-300))

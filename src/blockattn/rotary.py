@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import custom_ops
-from .layout import GPU_DTYPES, validate_sinu_pos
-
-# One program holds whole rows of a head.
-MAX_ROTARY_DIM = 512
+from . import checks, custom_ops
 
 
 def apply_rotary(x: torch.Tensor, sinu_pos: torch.Tensor) -> torch.Tensor:
@@ -20,19 +16,11 @@ def apply_rotary(x: torch.Tensor, sinu_pos: torch.Tensor) -> torch.Tensor:
         y[2i]   = x[2i]   * cos_i - x[2i+1] * sin_i
         y[2i+1] = x[2i+1] * cos_i + x[2i]   * sin_i
 
-    Computed in fp32 and returned in ``x``'s dtype (a Triton kernel on CUDA, PyTorch on the CPU). Differentiable
-    in ``x``: the gradient is the rotation by the opposite angles. ``sinu_pos`` is a constant and gets no
-    gradient (it must not require one). ``D`` must be even, at most 512; ``sinu_pos`` may be float16, bfloat16 or float32.
+    Computed in fp32 (float64 for float64 inputs, CPU only) and returned in ``x``'s dtype (a Triton kernel on
+    NVIDIA GPUs, PyTorch elsewhere). Differentiable in ``x``: the gradient is the rotation by the opposite angles
+    (docs/semantics.md, "Rotary"). ``sinu_pos`` is a constant and gets no gradient (it must not require one).
+    ``D`` must be even, at most 512; ``sinu_pos`` may be float16, bfloat16 or float32 (float64 on the CPU).
     To fuse the rotation into attention instead, pass ``sinu_pos`` to :func:`blockattn.block_attention`.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 3:
-        raise ValueError(f"x must be 3-D [N, heads, head_dim], got shape {tuple(x.shape)}")
-    if x.dtype not in GPU_DTYPES:
-        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.shape[-1] % 2 or not 2 <= x.shape[-1] <= MAX_ROTARY_DIM:
-        raise ValueError(f"head_dim must be even (pairs of columns turn together) and in [2, {MAX_ROTARY_DIM}], "
-                         f"got {x.shape[-1]}")
-    validate_sinu_pos(sinu_pos, x, "x")
+    checks.rotary_input(x, sinu_pos)
     return custom_ops.rotary(x, sinu_pos, False)

@@ -15,8 +15,9 @@ of the next block overlap the current one's math.
 A fused rotary (``ROTATE``, a mask of the operands to turn) switches the forward and the one-block backward to pair
 halves (``ops.rotary``): operands are rotated right after loading, gradients turned back before their one store.
 
-On Hopper GPUs the backward of the production shape (64-token blocks, D = 128, no GQA, 16-bit), plain or rotary,
-runs a Gluon kernel instead (``block_attention_sm90``: tiles loaded by TMA, not through registers).
+On Hopper GPUs the dispatcher (``backends``) sends the backward of the production shape (64-token blocks, D = 128,
+no GQA, 16-bit), plain or rotary, to a Gluon kernel instead (``block_attention_sm90``). The PyTorch path is in
+``block_attention_torch``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import ROTATE_BITS, block_rows
-from ..reference import rotary_reference
+from ..block_table import BlockTable
 from . import tiles
 from .rotary import (
     fence,
@@ -35,29 +35,29 @@ from .rotary import (
     load_words,
     pair_aligned,
     pairs_readable,
-    rotate,
     split_words,
     store_pairs,
     store_pairs_wide,
+    turn_pairs,
     unpack_words,
     wide_stores_ok,
 )
 from .tiles import (
     LOG2E,
+    ROTATE_K,
+    ROTATE_NONE,
+    ROTATE_Q,
+    ROTATE_V,
     block_bounds,
     column_mask,
     grad_scores,
     in_block_rows,
+    rotary_operand,
     softmax_probs,
     store_tile,
     tile_mask,
     tile_ptrs,
 )
-
-try:
-    from . import block_attention_sm90 as sm90
-except ImportError:  # a triton without Gluon's Hopper API (before 3.6): the Triton kernels serve every GPU
-    sm90 = None
 
 
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
@@ -75,7 +75,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     persistent backward loses there (1.72x its floor against 1.30x for one whole-row block per program, measured
     side by side; the latter is 1.18x now), as do 8 warps and register caps in either pass.
 
-    On Hopper GPUs the backward of the production shape runs ``block_attention_sm90`` instead, plain or rotary.
+    On Hopper GPUs the dispatcher sends the backward of the production shape to ``block_attention_sm90``.
     """
     min_width = 32 if rotary else 16
     block_d = max(min_width, triton.next_power_of_2(head_dim))
@@ -105,7 +105,7 @@ def _operand_halves(words, sin, cos, ON: tl.constexpr, ELEM: tl.constexpr, FENCE
     layout (``rotary.fence``)."""
     if ON:
         even, odd = unpack_words(words, ELEM)
-        even, odd = rotate(even, odd, sin, cos, False)
+        even, odd = turn_pairs(even, odd, sin, cos, False)
         even = even.to(ELEM)
         odd = odd.to(ELEM)
     else:
@@ -119,7 +119,7 @@ def _store_unrotated(base, rows, pair0, stride_n, even, odd, mask, sin, cos, ON:
     """Store the gradient of an operand, turned back (``sin -> -sin``, fp32) when the operand was rotated; from the
     product's own layout when ``WIDE_STORES`` (``rotary.store_pairs_wide``)."""
     if ON:
-        even, odd = rotate(even, odd, sin, cos, True)
+        even, odd = turn_pairs(even, odd, sin, cos, True)
     if WIDE_STORES:
         store_pairs_wide(base, rows, pair0, stride_n, even, odd, mask, PAIRS)
     else:
@@ -153,8 +153,8 @@ def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, he
             # against 0.99x on `ads-rotary` (H100)
             v_words = load_words(v_base, rows, 0, stride_vn, mask, PAIRS)
         sin, cos = load_angles(sinu_ptr, rows, c * PAIRS, half, stride_sn, stride_sd, mask, PAIRS)
-        q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE & 1, elem_ty, INLINE_ASM)
-        k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE & 2, elem_ty, INLINE_ASM)
+        q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE_Q & ROTATE, elem_ty, INLINE_ASM)
+        k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
         scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
     p = softmax_probs(scores, row_ok, qk_scale_log2).to(elem_ty)
     for c in tl.static_range(NUM_CHUNKS):
@@ -162,7 +162,7 @@ def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, he
         if NUM_CHUNKS > 1:  # else v and the angles come from the first loop
             sin, cos = load_angles(sinu_ptr, rows, c * PAIRS, half, stride_sn, stride_sd, mask, PAIRS)
             v_words = load_words(v_base, rows, c * PAIRS, stride_vn, mask, PAIRS)
-        v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE & 4, elem_ty, False)
+        v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE_V & ROTATE, elem_ty, False)
         o_even = tl.dot(p, v_even, input_precision=DOT_PRECISION)
         o_odd = tl.dot(p, v_odd, input_precision=DOT_PRECISION)
         store_pairs(o_base, rows, c * PAIRS, stride_on, o_even, o_odd, mask, PAIRS, INLINE_ASM)
@@ -183,7 +183,7 @@ def _block_attention_fwd_kernel(
     ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr,
 ):
     # Heads vary fastest so that the programs of one block (which share its rows, and k/v under GQA) run together.
-    # ROTATE is a bit mask (q 1, k 2, v 4) of the operands turned by the rotary angles right after their load.
+    # ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the operands turned by the rotary angles right after their load.
     pid = tl.program_id(0)
     slot = pid // NUM_Q_HEADS
     head = pid % NUM_Q_HEADS
@@ -199,7 +199,7 @@ def _block_attention_fwd_kernel(
     v_base = v_ptr + kv_head * stride_vh
     o_base = o_ptr + head * stride_oh
 
-    if ROTATE != 0:
+    if ROTATE != ROTATE_NONE:
         _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, head_dim, qk_scale_log2,
                           stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd,
                           BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE, INLINE_ASM)
@@ -250,10 +250,10 @@ def _bwd_rotary_slice(q_base, k_base, v_base, do_base, sinu_ptr, rows_in, row_ok
     v_words = load_words(v_base, rows_in, pair0, stride_vn, cols, PAIRS)
     do_words = tl.where(row_ok[:, None], load_words(do_base, rows_in, pair0, stride_don, cols, PAIRS), 0)
     sin, cos = load_angles(sinu_ptr, rows_in, pair0, half, stride_sn, stride_sd, cols, PAIRS)
-    q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE & 1, elem_ty, INLINE_ASM)
-    k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE & 2, elem_ty, INLINE_ASM)
-    v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE & 4, elem_ty, INLINE_ASM)
-    do_even, do_odd = _operand_halves(do_words, sin, cos, 0, elem_ty, INLINE_ASM)
+    q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE_Q & ROTATE, elem_ty, INLINE_ASM)
+    k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
+    v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE_V & ROTATE, elem_ty, INLINE_ASM)
+    do_even, do_odd = _operand_halves(do_words, sin, cos, ROTATE_NONE, elem_ty, INLINE_ASM)
     return sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd
 
 
@@ -307,17 +307,18 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
                 # The slice again (an L1/L2 hit): holding every slice would spill registers.
                 sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd = _bwd_rotary_slice(
                     q_base, k_base, v_base, do_base, sinu_ptr, rows_in, row_ok, pair0, half, cols,
-                    stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE & 3, INLINE_ASM)
+                    stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS,
+                    (ROTATE_Q | ROTATE_K) & ROTATE, INLINE_ASM)
             mask = tile_mask(row_ok, pair0, half, PAIRS, EVEN_D)
             if GROUP == 1:
                 _store_unrotated(dv_base, rows, pair0, stride_dvn,
                                  tl.dot(tl.trans(p), do_even, input_precision=DOT_PRECISION),
                                  tl.dot(tl.trans(p), do_odd, input_precision=DOT_PRECISION),
-                                 mask, sin, cos, ROTATE & 4, PAIRS, INLINE_ASM, WIDE_STORES)
+                                 mask, sin, cos, ROTATE_V & ROTATE, PAIRS, INLINE_ASM, WIDE_STORES)
                 _store_unrotated(dk_base, rows, pair0, stride_dkn,
                                  tl.dot(tl.trans(ds), q_even, input_precision=DOT_PRECISION),
                                  tl.dot(tl.trans(ds), q_odd, input_precision=DOT_PRECISION),
-                                 mask, sin, cos, ROTATE & 2, PAIRS, INLINE_ASM, WIDE_STORES)
+                                 mask, sin, cos, ROTATE_K & ROTATE, PAIRS, INLINE_ASM, WIDE_STORES)
             else:
                 dv_even = tl.dot(tl.trans(p), do_even, dv_even, input_precision=DOT_PRECISION)
                 dv_odd = tl.dot(tl.trans(p), do_odd, dv_odd, input_precision=DOT_PRECISION)
@@ -326,15 +327,15 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
             _store_unrotated(dq_ptr + head * stride_dqh, rows, pair0, stride_dqn,
                              tl.dot(ds, k_even, input_precision=DOT_PRECISION),
                              tl.dot(ds, k_odd, input_precision=DOT_PRECISION),
-                             mask, sin, cos, ROTATE & 1, PAIRS, INLINE_ASM, WIDE_STORES)
+                             mask, sin, cos, ROTATE_Q & ROTATE, PAIRS, INLINE_ASM, WIDE_STORES)
     if GROUP > 1:
         pair0 = first_slice * PAIRS
         mask = tile_mask(row_ok, pair0, half, PAIRS, EVEN_D)
         sin, cos = load_angles(sinu_ptr, rows_in, pair0, half, stride_sn, stride_sd,
                                column_mask(pair0, half, PAIRS, EVEN_D), PAIRS)
-        _store_unrotated(dv_base, rows, pair0, stride_dvn, dv_even, dv_odd, mask, sin, cos, ROTATE & 4, PAIRS,
+        _store_unrotated(dv_base, rows, pair0, stride_dvn, dv_even, dv_odd, mask, sin, cos, ROTATE_V & ROTATE, PAIRS,
                          INLINE_ASM, WIDE_STORES)
-        _store_unrotated(dk_base, rows, pair0, stride_dkn, dk_even, dk_odd, mask, sin, cos, ROTATE & 2, PAIRS,
+        _store_unrotated(dk_base, rows, pair0, stride_dkn, dk_even, dk_odd, mask, sin, cos, ROTATE_K & ROTATE, PAIRS,
                          INLINE_ASM, WIDE_STORES)
 
 
@@ -359,8 +360,8 @@ def _block_attention_bwd_kernel(
     # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
     # as soon as it is computed. With GQA a program owns one slice and loops over the GROUP query heads that share
     # the kv head, accumulating that slice of dk/dv in registers. No atomics: bitwise reproducible.
-    # With a rotary (ROTATE: q 1, k 2, v 4) the same program runs on pair halves (_bwd_rotary_block): operands are
-    # rotated after every load and their gradients turned back before the store.
+    # With a rotary (ROTATE, bits tiles.ROTATE_Q/K/V) the same program runs on pair halves (_bwd_rotary_block):
+    # operands are rotated after every load and their gradients turned back before the store.
     PROGRAMS_PER_HEAD: tl.constexpr = NUM_CHUNKS // SLICES_PER_PROGRAM
     pid = tl.program_id(0)
     first_slice = (pid % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
@@ -376,7 +377,7 @@ def _block_attention_bwd_kernel(
     v_base = v_ptr + kv_head * stride_vh
     dk_base = dk_ptr + kv_head * stride_dkh
     dv_base = dv_ptr + kv_head * stride_dvh
-    if ROTATE != 0:
+    if ROTATE != ROTATE_NONE:
         _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, rows, row_ok, kv_head,
                           first_slice, head_dim, scale, qk_scale_log2,
                           stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
@@ -498,16 +499,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _strides(*tensors: torch.Tensor) -> list[int]:
-    return [s for t in tensors for s in t.stride()]
+def _strides(prefix: str, t: torch.Tensor) -> dict:
+    """``stride_{prefix}n``, ``stride_{prefix}h``, ``stride_{prefix}d`` of an ``[N, H, D]`` tensor, as kernel
+    keyword arguments."""
+    return {f"stride_{prefix}{dim}": stride for dim, stride in zip("nhd", t.stride())}
 
 
-def _rotary_args(sinu_pos: torch.Tensor | None, rotate: int, like: torch.Tensor) -> tuple:
-    """Kernel arguments ``(sinu_ptr, stride_sn, stride_sd)`` and the ``ROTATE`` mask; without angles nothing is
-    rotated and the pointer (``like``) is never read."""
-    if sinu_pos is None or rotate == 0:
-        return (like, 0, 0), 0
-    return (sinu_pos, *sinu_pos.stride()), rotate
+def _table_args(offsets: torch.Tensor, table: BlockTable) -> dict:
+    return {"block_seq_ptr": table.block_seq, "block_cum_ptr": table.block_cum, "offsets_ptr": offsets,
+            "num_seqs": offsets.numel() - 1}
 
 
 def block_attention_fwd_triton(
@@ -515,35 +515,33 @@ def block_attention_fwd_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     offsets: torch.Tensor,
-    block_cum: torch.Tensor,
-    block_seq: torch.Tensor,
+    table: BlockTable,
     block_size: int,
     scale: float,
-    sinu_pos: torch.Tensor | None = None,
-    rotate: int = 0,
+    sinu_pos: torch.Tensor | None,
+    rotate: int,
     *,
     num_warps: int | None = None,
     maxnreg: int | None = None,
 ) -> torch.Tensor:
-    """Launch the forward kernel over the block table of ``layout.block_table``. Arguments are assumed validated
-    (``layout.validate``). ``rotate`` is a mask of ``layout.ROTATE_BITS``: those operands are turned by
-    ``sinu_pos`` after loading. ``num_warps`` and ``maxnreg`` (a register cap) override the tuned launch (for
-    tuning sweeps)."""
+    """Launch the forward kernel over ``table``; returns ``out``. Arguments are those the dispatcher passes
+    (``backends``), checked; ``rotate`` is a mask of ``tiles.ROTATE_BITS`` (0 without ``sinu_pos``): those operands
+    are turned by ``sinu_pos`` after loading. ``num_warps`` and ``maxnreg`` (a register cap) override the tuned
+    launch, for tuning sweeps."""
     n, hq, d = q.shape
-    hkv = k.shape[1]
-    sinu_args, rotate = _rotary_args(sinu_pos, rotate, q)
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))
     out = tiles.new_output(q)
-    if block_seq.numel() == 0:
+    if table.num_slots == 0:
         return out
     cfg = kernel_config(block_size, d, backward=False, rotary=bool(rotate))
-    grid = (block_seq.numel() * hq,)
-    _block_attention_fwd_kernel[grid](
-        q, k, v, out, sinu_args[0], block_seq, block_cum, offsets,
-        offsets.numel() - 1, n, d, scale * LOG2E,
-        *_strides(q, k, v, out), *sinu_args[1:],
-        NUM_Q_HEADS=hq, GROUP=hq // hkv, BLOCK_SIZE=block_size,
+    sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
+    _block_attention_fwd_kernel[(table.num_slots * hq,)](
+        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **_table_args(offsets, table),
+        num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
+        **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
+        stride_sn=stride_sn, stride_sd=stride_sd,
+        NUM_Q_HEADS=hq, GROUP=hq // k.shape[1], BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q),
         num_warps=num_warps or _num_warps(block_size), num_stages=1, **_register_cap(maxnreg),
@@ -557,156 +555,62 @@ def block_attention_bwd_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     offsets: torch.Tensor,
-    block_cum: torch.Tensor,
-    block_seq: torch.Tensor,
+    table: BlockTable,
     block_size: int,
     scale: float,
-    sinu_pos: torch.Tensor | None = None,
-    rotate: int = 0,
+    sinu_pos: torch.Tensor | None,
+    rotate: int,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     *,
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_warps: int | None = None,
     maxnreg: int | None = None,
     slices_per_program: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel; returns ``(dq, dk, dv)`` in the inputs' dtypes, the gradients of the unrotated
-    inputs. ``grads`` are the tensors to write them into (views of one packed buffer, say); new ones by default.
-    ``num_warps``, ``maxnreg`` and ``slices_per_program`` override the tuned choices (for tuning sweeps; the last
-    must be 1 under GQA, and giving it selects the one-block-per-program kernel); without them, where
-    ``block_attention_sm90.applies``, the Hopper kernel runs."""
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    sinu_args, rotate = _rotary_args(sinu_pos, rotate, q)
+) -> None:
+    """Launch the backward kernel: write ``(dq, dk, dv)``, the gradients of the unrotated inputs, into ``grads``
+    (new tensors or views of one packed buffer). ``num_warps``, ``maxnreg`` and ``slices_per_program`` override the
+    tuned choices, for tuning sweeps (the last must be 1 under GQA, and giving it selects the one-block-per-program
+    kernel); they change nothing but the Triton launch."""
+    if table.num_slots == 0:
+        return
+    targets = grads
     if rotate:
         q, k, v, grad_out = (pair_aligned(t) for t in (q, k, v, grad_out))
-    if grads is None:
-        grads = (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
-    elif rotate and not all(pairs_readable(g) for g in grads):
-        raise ValueError("grads must have stride 1 along head_dim and even strides when a rotary is fused")
-    dq, dk, dv = grads
-    if block_seq.numel() == 0:
-        return dq, dk, dv
-    tuned = num_warps is None and maxnreg is None and slices_per_program is None
-    if tuned and sm90 is not None and sm90.applies(q, k, v, grad_out, grads, block_size, rotate):
-        sm90.block_attention_bwd_sm90(grad_out, q, k, v, offsets, block_cum, block_seq, scale, sinu_args, rotate,
-                                      grads)
-        return dq, dk, dv
+        # Gradients are stored as pair words too: those that cannot take them are written apart and copied.
+        targets = tuple(g if pairs_readable(g) else tiles.new_output(pair_aligned(g)) for g in grads)
+    _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, targets, num_warps=num_warps,
+                maxnreg=maxnreg, slices_per_program=slices_per_program)
+    for grad, target in zip(grads, targets):
+        if target is not grad:
+            grad.copy_(target)
+
+
+def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, grads, *, num_warps,
+                maxnreg, slices_per_program) -> None:
+    n, hq, d = q.shape
+    hkv = k.shape[1]
     group = hq // hkv
+    dq, dk, dv = grads
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
                         rotary=bool(rotate))
-    common = dict(BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
-                  DOT_PRECISION=_dot_precision(q.dtype),
-                  num_warps=num_warps or _num_warps(block_size), num_stages=1,
-                  **_register_cap(maxnreg))
-    tensors = (q, k, v, grad_out, dq, dk, dv)
-    table = (block_seq, block_cum, offsets)
-    num_seqs, num_slots = offsets.numel() - 1, block_seq.numel()
+    common = dict(**_table_args(offsets, table), num_tokens=n, head_dim=d, scale=scale, qk_scale_log2=scale * LOG2E,
+                  BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
+                  DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or _num_warps(block_size),
+                  num_stages=1, **_register_cap(maxnreg))
+    tensors = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_out, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv)
     one_layout = len({t.stride() for t in (q, k, v, dq, dk, dv)}) == 1
     if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None:
-        programs = min(num_slots * hq, _persistent_programs(q.device))
+        programs = min(table.num_slots * hq, _persistent_programs(q.device))
         _block_attention_bwd_persistent_kernel[(programs,)](
-            *tensors, *table, num_seqs, num_slots, n, d, scale, scale * LOG2E, *q.stride(), *grad_out.stride(),
+            **tensors, **common, num_slots=table.num_slots, **_strides("", q), **_strides("do", grad_out),
             NUM_HEADS=hq, PIPELINE_STAGES=cfg["PIPELINE_STAGES"], DO_SHARES_LAYOUT=grad_out.stride() == q.stride(),
-            **common,
         )
-        return dq, dk, dv
+        return
     slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
-    grid = (num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)
-    _block_attention_bwd_kernel[grid](
-        *tensors, sinu_args[0], *table, num_seqs, n, d, scale, scale * LOG2E, *_strides(*tensors), *sinu_args[1:],
+    sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
+    strides = {name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"), (q, k, v, grad_out, *grads))
+               for name, stride in _strides(prefix, t).items()}
+    _block_attention_bwd_kernel[(table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)](
+        **tensors, sinu_ptr=sinu_ptr, **common, **strides, stride_sn=stride_sn, stride_sd=stride_sd,
         NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
-        INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in grads), **common,
+        INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in grads),
     )
-    return dq, dk, dv
-
-
-# --- PyTorch path (CPU tensors): the same semantics on padded blocks, computed in fp32 ------------------------------
-
-
-def _gather_blocks(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``[N, H, D]`` -> ``[blocks, H, BS, D]`` in fp32, zeros where ``valid`` is False (they read a zero row N)."""
-    padded = torch.cat([x.float(), x.new_zeros((1, *x.shape[1:]), dtype=torch.float32)])
-    return padded[torch.where(valid, rows, x.shape[0])].transpose(1, 2)
-
-
-def _scatter_blocks(blocks: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Inverse of :func:`_gather_blocks`, in fp32: padded rows go to a spare row ``N`` that is dropped."""
-    out = blocks.new_empty((num_tokens + 1, blocks.shape[1], blocks.shape[-1]))
-    out[torch.where(valid, rows, num_tokens).flatten()] = blocks.transpose(1, 2).flatten(0, 1)
-    return out[:num_tokens]
-
-
-def _turned(x: torch.Tensor, sinu_pos: torch.Tensor | None, on: int, inverse: bool = False) -> torch.Tensor:
-    """``x`` in fp32, rotated by ``sinu_pos`` (or turned back, ``inverse``) when ``on``."""
-    if sinu_pos is None or not on:
-        return x.float()
-    return rotary_reference(x, sinu_pos, inverse=inverse, compute_dtype=torch.float32)
-
-
-def _turned_inputs(q, k, v, sinu_pos, rotate: int) -> tuple[torch.Tensor, ...]:
-    """q, k, v in fp32, the ones named by the ``rotate`` mask rotated."""
-    return tuple(_turned(t, sinu_pos, rotate & ROTATE_BITS[name]) for name, t in zip("qkv", (q, k, v)))
-
-
-def _probs(qb: torch.Tensor, kb: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
-    scores = (qb @ kb.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding slots have no valid key at all
-
-
-def block_attention_fwd_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    block_cum: torch.Tensor,
-    block_seq: torch.Tensor,
-    block_size: int,
-    scale: float,
-    sinu_pos: torch.Tensor | None = None,
-    rotate: int = 0,
-) -> torch.Tensor:
-    n, dtype, group = q.shape[0], q.dtype, q.shape[1] // k.shape[1]
-    q, k, v = _turned_inputs(q, k, v, sinu_pos, rotate)
-    rows, valid = block_rows(offsets, block_cum, block_seq, block_size)
-    qb = _gather_blocks(q, rows, valid)
-    kb, vb = (_gather_blocks(t, rows, valid).repeat_interleave(group, dim=1) for t in (k, v))
-    return _scatter_blocks(_probs(qb, kb, valid, scale) @ vb, rows, valid, n).to(dtype)
-
-
-def block_attention_bwd_torch(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    block_cum: torch.Tensor,
-    block_seq: torch.Tensor,
-    block_size: int,
-    scale: float,
-    sinu_pos: torch.Tensor | None = None,
-    rotate: int = 0,
-    *,
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, dtype, hkv = q.shape[0], q.dtype, k.shape[1]
-    group = q.shape[1] // hkv
-    q, k, v = _turned_inputs(q, k, v, sinu_pos, rotate)
-    rows, valid = block_rows(offsets, block_cum, block_seq, block_size)
-    qb, dob = _gather_blocks(q, rows, valid), _gather_blocks(grad_out, rows, valid)
-    kb, vb = (_gather_blocks(t, rows, valid).repeat_interleave(group, dim=1) for t in (k, v))
-    p = _probs(qb, kb, valid, scale)
-    dp = dob @ vb.transpose(-1, -2)
-    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-    dqb = (ds @ kb) * scale
-    dkb = ((ds.transpose(-1, -2) @ qb) * scale).unflatten(1, (hkv, group)).sum(2)
-    dvb = (p.transpose(-1, -2) @ dob).unflatten(1, (hkv, group)).sum(2)
-    results = [
-        _turned(_scatter_blocks(blocks, rows, valid, n), sinu_pos, rotate & ROTATE_BITS[name], inverse=True).to(dtype)
-        for name, blocks in zip("qkv", (dqb, dkb, dvb))
-    ]
-    if grads is None:
-        return tuple(results)
-    for grad, result in zip(grads, results):
-        grad.copy_(result)
-    return grads

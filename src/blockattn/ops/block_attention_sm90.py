@@ -32,7 +32,17 @@ try:
 except ImportError:  # triton 3.6 names it async_copy_global_to_shared (removed later)
     from triton.experimental.gluon.language.nvidia.hopper.tma import async_copy_global_to_shared as tma_load
 
-from .tiles import LOG2E, block_bounds, grad_scores, softmax_probs
+from ..block_table import BlockTable
+from .tiles import (
+    LOG2E,
+    ROTATE_K,
+    ROTATE_Q,
+    ROTATE_V,
+    block_bounds,
+    grad_scores,
+    rotary_operand,
+    softmax_probs,
+)
 
 _BLOCK_SIZE = 64
 _HEAD_DIM = 128
@@ -99,7 +109,7 @@ def _block_attention_bwd_sm90_kernel(
     stride_dqn, stride_dkn, stride_dvn, stride_sn, stride_sd,
     NUM_HEADS: gl.constexpr, ROTATE: gl.constexpr,
 ):
-    # Heads vary fastest, as in the Triton kernels. ROTATE is a bit mask (q 1, k 2, v 4) of the rotated operands.
+    # Heads vary fastest, as in the Triton kernels. ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the rotated operands.
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -149,9 +159,9 @@ def _block_attention_bwd_sm90_kernel(
         partial = length < BLOCK
         mbarrier.wait(landed, 0)
         mbarrier.invalidate(landed)
-        _prepare_tile(q, sin, cos, row_ok, grad_layout, ROTATE & 1, partial)
-        _prepare_tile(k, sin, cos, row_ok, grad_layout, ROTATE & 2, partial)
-        _prepare_tile(v, sin, cos, row_ok, grad_layout, ROTATE & 4, partial)
+        _prepare_tile(q, sin, cos, row_ok, grad_layout, ROTATE_Q & ROTATE, partial)
+        _prepare_tile(k, sin, cos, row_ok, grad_layout, ROTATE_K & ROTATE, partial)
+        _prepare_tile(v, sin, cos, row_ok, grad_layout, ROTATE_V & ROTATE, partial)
         _prepare_tile(do, sin, cos, row_ok, grad_layout, 0, partial)
         fence_async_shared()
 
@@ -169,41 +179,31 @@ def _block_attention_bwd_sm90_kernel(
         dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
         probs.store(ds)
         fence_async_shared()
-        _store_gradient(dv, do, dv_ptr + start * stride_dvn + col, stride_dvn, length, sin, cos, ROTATE & 4,
+        _store_gradient(dv, do, dv_ptr + start * stride_dvn + col, stride_dvn, length, sin, cos, ROTATE_V & ROTATE,
                         out_layout)
         dk = warpgroup_mma(probs.permute((1, 0)), q, zeros, use_acc=False, is_async=True)
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
-        _store_gradient(dk, v, dk_ptr + start * stride_dkn + col, stride_dkn, length, sin, cos, ROTATE & 2,
+        _store_gradient(dk, v, dk_ptr + start * stride_dkn + col, stride_dkn, length, sin, cos, ROTATE_K & ROTATE,
                         out_layout)
         dq = warpgroup_mma(probs, k, zeros, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        _store_gradient(dq, q, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos, ROTATE & 1,
+        _store_gradient(dq, q, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos, ROTATE_Q & ROTATE,
                         out_layout)
 
 
-def _rows_of_heads(t: torch.Tensor) -> bool:
-    """``[N, H, D]`` addressable as one ``[N, H * D]`` matrix: heads side by side in a row."""
-    _, h, d = t.shape
-    return t.stride(2) == 1 and (h == 1 or t.stride(1) == d)
-
-
-def _tma_readable(t: torch.Tensor) -> bool:
-    """:func:`_rows_of_heads`, and rows and start 16-byte aligned, as TMA needs."""
-    return _rows_of_heads(t) and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
-
-
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
-            grads: tuple[torch.Tensor, ...], block_size: int, rotate: int) -> bool:
-    """Whether this kernel takes the backward (``rotate`` 0 or not): a Hopper GPU, 64-token blocks, D = 128, no GQA,
-    16-bit inputs that TMA can read and gradients laid out as ``[N, H * D]`` rows. The Triton kernels take the rest."""
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
-        return False
-    if block_size != _BLOCK_SIZE or q.shape[2] != _HEAD_DIM or q.shape[1] != k.shape[1]:
-        return False
-    if q.dtype not in _GL_DTYPES:
-        return False
-    return (all(_tma_readable(t) for t in (q, k, v, grad_out))
-            and all(_rows_of_heads(g) for g in grads))
+def why_not(call) -> str | None:
+    """Why this kernel does not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: it takes
+    64-token blocks, D = 128, no GQA, 16-bit inputs that TMA can read and gradients laid out as ``[N, H * D]``
+    rows, with or without a rotary."""
+    if call.block_size != _BLOCK_SIZE or call.head_dim != _HEAD_DIM:
+        return f"takes {_BLOCK_SIZE}-token blocks at D = {_HEAD_DIM} only"
+    if call.num_heads != call.num_kv_heads:
+        return "takes no GQA"
+    if call.dtype not in _GL_DTYPES:
+        return "takes float16 and bfloat16 only"
+    if not call.tma_rows:
+        return "needs q, k, v, dO as 16-byte aligned [N, H * D] rows and gradients as [N, H * D] rows"
+    return None
 
 
 def _descriptor(t: torch.Tensor) -> TensorDescriptor:
@@ -213,17 +213,22 @@ def _descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 
 def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             offsets: torch.Tensor, block_cum: torch.Tensor, block_seq: torch.Tensor, scale: float,
-                             sinu_args: tuple, rotate: int,
+                             offsets: torch.Tensor, table: BlockTable, block_size: int, scale: float,
+                             sinu_pos: torch.Tensor | None, rotate: int,
                              grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-    """Write ``(dq, dk, dv)`` into ``grads``; the arguments are those of ``block_attention_bwd_triton``, where
-    :func:`applies` holds and the block table is not empty; ``sinu_args`` is ``(sinu_ptr, stride_sn, stride_sd)``,
-    never read when ``rotate`` is 0."""
+    """Write ``(dq, dk, dv)`` into ``grads``, where :func:`why_not` says nothing against the call (the dispatcher's
+    backward signature, ``backends``)."""
     n, h, _ = q.shape
     dq, dk, dv = grads
-    _block_attention_bwd_sm90_kernel[(block_seq.numel() * h,)](
-        _descriptor(q), _descriptor(k), _descriptor(v), _descriptor(grad_out), dq, dk, dv, sinu_args[0],
-        block_seq, block_cum, offsets, offsets.numel() - 1, n, scale, scale * LOG2E,
-        dq.stride(0), dk.stride(0), dv.stride(0), *sinu_args[1:],
+    if table.num_slots == 0:
+        return
+    sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
+    _block_attention_bwd_sm90_kernel[(table.num_slots * h,)](
+        q_desc=_descriptor(q), k_desc=_descriptor(k), v_desc=_descriptor(v), do_desc=_descriptor(grad_out),
+        dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, sinu_ptr=sinu_ptr,
+        block_seq_ptr=table.block_seq, block_cum_ptr=table.block_cum, offsets_ptr=offsets,
+        num_seqs=offsets.numel() - 1, num_tokens=n, scale=scale, qk_scale_log2=scale * LOG2E,
+        stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
+        stride_sn=stride_sn, stride_sd=stride_sd,
         NUM_HEADS=h, ROTATE=rotate, num_warps=4,
     )

@@ -1,5 +1,5 @@
-"""Rotary position embedding with interleaved pairs (SPEC §2): the tile helpers the attention kernels fuse, a
-standalone kernel for ``apply_rotary``, and its launcher.
+"""Rotary position embedding with interleaved pairs (docs/semantics.md, "Rotary"): the tile helpers the attention
+kernels fuse, a standalone kernel for ``apply_rotary``, and its launcher.
 
 ``sinu_pos`` is ``[N, D]``: columns ``0 : D/2`` hold the sines and ``D/2 : D`` the cosines of the pair angles, so
 pair ``i`` (columns ``2i, 2i+1``) turns by angle ``i``. The inverse rotation (the backward) negates the sines.
@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import rotary_reference
 from . import tiles
 from .tiles import load_or_zero, tile_mask, tile_ptrs
 
@@ -156,7 +155,7 @@ def load_angles(sinu_ptr, rows, pair0, half_dim, stride_sn, stride_sd, mask, PAI
 
 
 @triton.jit
-def rotate(even, odd, sin, cos, INVERSE: tl.constexpr):
+def turn_pairs(even, odd, sin, cos, INVERSE: tl.constexpr):
     """Turn each pair ``(even, odd)`` by its angle (by the opposite angle if ``INVERSE``); fp32 results."""
     even = even.to(tl.float32)
     odd = odd.to(tl.float32)
@@ -181,7 +180,7 @@ def _rotary_kernel(
     for head in range(num_heads):
         words = load_words(x_ptr + head * stride_xh, rows, 0, stride_xn, mask, PAIRS)
         even, odd = unpack_words(words, x_ptr.dtype.element_ty)
-        even, odd = rotate(even, odd, sin, cos, INVERSE)
+        even, odd = turn_pairs(even, odd, sin, cos, INVERSE)
         store_pairs(y_ptr + head * stride_yh, rows, 0, stride_yn, even, odd, mask, PAIRS, INLINE_ASM)
 
 
@@ -218,13 +217,10 @@ def rotary_triton(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool) -> tor
     pairs = triton.next_power_of_2(d // 2)
     block_rows = max(1, 2048 // pairs)
     _rotary_kernel[(triton.cdiv(n, block_rows),)](
-        x, sinu_pos, y, n, h, d, x.stride(0), x.stride(1), y.stride(0), y.stride(1), *sinu_pos.stride(),
+        x_ptr=x, sinu_ptr=sinu_pos, y_ptr=y, num_tokens=n, num_heads=h, head_dim=d,
+        stride_xn=x.stride(0), stride_xh=x.stride(1), stride_yn=y.stride(0), stride_yh=y.stride(1),
+        stride_sn=sinu_pos.stride(0), stride_sd=sinu_pos.stride(1),
         BLOCK_ROWS=block_rows, PAIRS=pairs, EVEN_D=2 * pairs == d, INVERSE=inverse, INLINE_ASM=inline_asm(x),
         num_warps=4,
     )
     return y
-
-
-def rotary_torch(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """The CPU path: the reference formula in fp32, in ``x``'s dtype."""
-    return rotary_reference(x, sinu_pos, inverse=inverse, compute_dtype=torch.float32).to(x.dtype)

@@ -1,12 +1,22 @@
 """What the kernels share: pointers, masks and stores of ``[rows, CHUNK]`` tiles of ``[N, ..., D]`` tensors, a grid
 slot's block bounds, the softmax and ``dS`` of a score tile (also called from the Gluon kernels of
-``block_attention_sm90``); and the allocation of every kernel output."""
+``block_attention_sm90``); the bits of the rotate mask; and the allocation of every kernel output."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+# The operands a fused rotary turns, as bits of the ``rotate`` mask that the ops and kernels (``ROTATE``) take. The
+# kernels read these constexprs (constant first, ``ROTATE_Q & ROTATE``: Triton's interpreter passes ``ROTATE`` as a
+# plain int, which cannot take a constexpr on its right); Python code reads the ints below.
+ROTATE_Q = tl.constexpr(1)
+ROTATE_K = tl.constexpr(2)
+ROTATE_V = tl.constexpr(4)
+ROTATE_BITS = {"q": ROTATE_Q.value, "k": ROTATE_K.value, "v": ROTATE_V.value}
+ROTATE_NONE = 0
+ROTATE_ALL = ROTATE_Q.value | ROTATE_K.value | ROTATE_V.value
 
 
 @triton.jit
@@ -65,7 +75,7 @@ def block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_
     """First row and length of grid slot ``slot``'s block; length 0 for padding slots.
 
     Clamped to ``[0, N)`` so that offsets whose values were not checked on the host never cause an out-of-bounds
-    access (see ``layout.block_table``).
+    access (see ``block_table.build_block_table``).
     """
     seq = tl.load(block_seq_ptr + slot)
     seq_c = tl.minimum(seq, num_seqs - 1)
@@ -97,6 +107,14 @@ def grad_scores(p, dp, dtype, scale):
     """``dS = P * (dP - rowsum(P * dP))``, times ``scale``: ``Di`` from the tile itself, no preprocessing pass and no
     ``o`` read."""
     return (p * (dp - tl.sum(p * dp, axis=1)[:, None]) * scale).to(dtype)
+
+
+def rotary_operand(sinu_pos: torch.Tensor | None, like: torch.Tensor) -> tuple:
+    """The kernels' rotary arguments ``(sinu_ptr, stride_sn, stride_sd)``; without angles (the rotate mask is then
+    0) ``like`` stands in for the pointer and is never read."""
+    if sinu_pos is None:
+        return like, 0, 0
+    return sinu_pos, *sinu_pos.stride()
 
 
 def new_output(like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,188 @@
+"""Every argument check of the public functions, in one place (docs/semantics.md, "Validation").
+
+Each public entry point calls one function here, before any kernel runs; a bad argument raises a ``TypeError`` or
+``ValueError`` that names it and says what was expected. Only metadata is read (shapes, dtypes, devices, strides),
+so the checks cost no device work and are safe under ``torch.compile``; the *values* of ``offsets`` are checked
+where the block table is built (``block_table.build_block_table``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .ops.tiles import ROTATE_BITS
+
+BLOCK_SIZES = (16, 32, 64, 128)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+# One rotary program holds whole rows of a head.
+MAX_ROTARY_DIM = 512
+# The kernels take these; the PyTorch path (CPU, meta) takes float64 too, for torch.autograd.gradcheck.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLOAT64_DEVICES = ("cpu", "meta")
+OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+def _dtype_names(dtypes) -> str:
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def tensor(name: str, t, optional: bool = False) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(t).__name__}")
+
+
+def float_tensor(name: str, t, ndim: int, layout: str) -> None:
+    """``t`` a tensor of ``ndim`` dimensions (``layout`` names them) in a dtype its device computes in."""
+    tensor(name, t)
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+    dtypes = KERNEL_DTYPES + ((torch.float64,) if t.device.type in FLOAT64_DEVICES else ())
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be {_dtype_names(dtypes)} on {t.device.type}, got {t.dtype}")
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def attention(q, k, v, offsets, block_size, scale) -> None:
+    """``q [N, Hq, D]``, ``k, v [N, Hkv, D]``, ``offsets [B + 1]`` and the options of block attention."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        float_tensor(name, t, 3, "[N, heads, head_dim]")
+    tensor("offsets", offsets)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"offsets must be 1-D [B + 1] with at least one element, got shape {tuple(offsets.shape)}")
+    if offsets.dtype not in OFFSET_DTYPES:
+        raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
+    if len({t.device for t in (q, k, v, offsets)}) != 1:
+        raise ValueError(f"q, k, v and offsets must be on one device, got q {q.device}, k {k.device}, v {v.device}, "
+                         f"offsets {offsets.device}")
+    n, hq, d = q.shape
+    if offsets.numel() == 1 and n != 0:
+        # Decidable from shapes alone, and the kernels need at least one sequence to look blocks up in.
+        raise ValueError(f"offsets describes no sequence (B = 0) but q has N = {n} tokens; expected offsets[-1] == N")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {_describe(k)} and v {_describe(v)}")
+    if k.shape[0] != n:
+        raise ValueError(f"q, k and v must have the same number of tokens N, got q {n} and k/v {k.shape[0]}")
+    if k.shape[2] != d:
+        raise ValueError(f"q, k and v must have the same head_dim, got q {d} and k/v {k.shape[2]}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq == 0 or hq % hkv != 0:
+        raise ValueError(f"q heads must be a positive multiple of k/v heads (GQA), got Hq={hq}, Hkv={hkv}")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM or d % 8 != 0:
+        raise ValueError(f"head_dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not (math.isfinite(scale) and scale > 0)):
+        raise ValueError(f"scale must be a finite positive float or None, got {scale!r}")
+
+
+def sinu_pos(angles, x: torch.Tensor, x_name: str) -> None:
+    """``angles`` (``sinu_pos``) must be ``[N, D]`` of ``x = [N, H, D]``, floating, on ``x``'s device, and need no
+    gradient."""
+    tensor("sinu_pos", angles, optional=True)
+    n, _, d = x.shape
+    if angles.shape != (n, d):
+        raise ValueError(f"sinu_pos must be [N, head_dim] = [{n}, {d}] ([sin | cos] per token), got "
+                         f"{tuple(angles.shape)}")
+    float_tensor("sinu_pos", angles, 2, "[N, head_dim]")
+    if angles.device != x.device:
+        raise ValueError(f"sinu_pos must be on the device of {x_name} ({x.device}), got {angles.device}")
+    if angles.requires_grad:
+        raise ValueError("sinu_pos requires grad, but no gradient flows to the rotary angles: pass "
+                         "sinu_pos.detach()")
+
+
+def rotate_mask(rotate) -> int:
+    """``rotate`` (a tuple of names from ``ROTATE_BITS``) as the ops' bit mask."""
+    if isinstance(rotate, str) or not isinstance(rotate, (tuple, list, set, frozenset)):
+        raise TypeError(f"rotate must be a tuple of names from {tuple(ROTATE_BITS)}, e.g. ('q', 'k'), got {rotate!r}")
+    unknown = [name for name in rotate if name not in ROTATE_BITS]
+    if unknown:
+        raise ValueError(f"rotate names the operands to rotate, from {tuple(ROTATE_BITS)}; got unknown {unknown}")
+    mask = 0
+    for name in rotate:
+        mask |= ROTATE_BITS[name]
+    return mask
+
+
+def same_structure(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same offsets: the same tensor, or equal values where comparing them is free (CPU); on a GPU comparing values
+    would stall the host, so there only the shape is compared."""
+    if a is b:
+        return True
+    if a.shape != b.shape or a.device != b.device:
+        return False
+    return a.device.type != "cpu" or torch.equal(a, b)
+
+
+def unpack_nested(q, k, v) -> tuple[torch.Tensor, ...]:
+    """``torch.jagged`` nested tensors ``[B, j, H, D]`` -> their ``[N, H, D]`` values and shared offsets."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or not t.is_nested or t.layout != torch.jagged:
+            raise TypeError(f"{name} must be a nested tensor with layout=torch.jagged when q is one")
+        if t.dim() != 4 or t._ragged_idx != 1:
+            raise ValueError(f"{name} must be a jagged nested tensor of shape [B, j, H, D], got {t.shape}")
+    offsets = q.offsets()
+    for name, t in (("k", k), ("v", v)):
+        if not same_structure(t.offsets(), offsets):
+            raise ValueError(f"{name} must have the same jagged structure (offsets) as q")
+    return q.values(), k.values(), v.values(), offsets
+
+
+def rotary_args(angles, rotate, q: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """Checked ``sinu_pos`` (as ``[N, D]``, unpacked if nested like ``q``) and the ``rotate`` bit mask; nothing is
+    rotated without angles."""
+    mask = rotate_mask(rotate)
+    if angles is None:
+        return None, 0
+    if isinstance(angles, torch.Tensor) and angles.is_nested:
+        if angles.layout != torch.jagged or not same_structure(angles.offsets(), offsets):
+            raise ValueError("sinu_pos, when nested, must be a torch.jagged tensor [B, j, D] with the structure of q")
+        angles = angles.values()
+    sinu_pos(angles, q, "q")
+    return angles, mask
+
+
+def projection(x, w, bias, num_heads, num_kv_heads) -> None:
+    """``x [N, d_model]``, ``w [d_model, (Hq + 2 Hkv) * D]``, ``bias`` and the head counts of the projection."""
+    float_tensor("x", x, 2, "[N, d_model]")
+    tensor("w", w)
+    _positive_int("num_heads", num_heads)
+    _positive_int("num_kv_heads", num_kv_heads)
+    num_all = num_heads + 2 * num_kv_heads
+    if w.dim() != 2 or w.shape[0] != x.shape[1] or w.shape[1] % num_all != 0:
+        raise ValueError(f"w must be [d_model, (num_heads + 2 * num_kv_heads) * head_dim] = [{x.shape[1]}, "
+                         f"{num_all} * head_dim], got {tuple(w.shape)}")
+    others = [("w", w)]
+    if bias is not None:
+        tensor("bias", bias, optional=True)
+        if bias.shape != (w.shape[1],):
+            raise ValueError(f"bias must be 1-D [{w.shape[1]}] (one per projected column), got {tuple(bias.shape)}")
+        others.append(("bias", bias))
+    for name, t in others:
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have the dtype of x ({x.dtype}), got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")
+
+
+def rotary_input(x, angles) -> None:
+    """``x [N, H, D]`` with an even ``D`` of at most ``MAX_ROTARY_DIM``, and its ``sinu_pos``."""
+    float_tensor("x", x, 3, "[N, heads, head_dim]")
+    if x.shape[-1] % 2 or not 2 <= x.shape[-1] <= MAX_ROTARY_DIM:
+        raise ValueError(f"head_dim must be even (pairs of columns turn together) and in [2, {MAX_ROTARY_DIM}], "
+                         f"got {x.shape[-1]}")
+    sinu_pos(angles, x, "x")

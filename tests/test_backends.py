@@ -1,0 +1,80 @@
+"""The dispatcher: which backend each call goes to, for the forward and the backward alike."""
+
+import pytest
+import torch
+
+from blockattn import backends, devices
+from blockattn.backends import BACKENDS, AttentionCall, select
+
+
+def call(pass_name="bwd", device="cuda", dtype=torch.bfloat16, heads=(4, 4), head_dim=128, block_size=64, rotate=0,
+         tma_rows=True):
+    return AttentionCall(pass_name, torch.device(device), dtype, *heads, head_dim, block_size, rotate, tma_rows)
+
+
+@pytest.fixture
+def gpu_capability(monkeypatch):
+    """Pretend the GPU has a given compute capability (no GPU needed: only metadata is read)."""
+
+    def set_capability(capability):
+        monkeypatch.setattr(devices, "capability", lambda device: capability)
+        monkeypatch.setattr(torch.version, "hip", None)
+
+    return set_capability
+
+
+def test_cpu_calls_take_the_pytorch_path():
+    for pass_name in ("fwd", "bwd"):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            assert select(call(pass_name, "cpu", dtype)).name == "torch"
+    assert not devices.kernels_run_on(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 9), (10, 0), (12, 0)])
+def test_gpus_from_ampere_take_the_kernels(capability, gpu_capability):
+    gpu_capability(capability)
+    hopper = capability[0] == 9
+    assert select(call("fwd")).name == "triton"
+    assert select(call("bwd")).name == ("sm90-gluon" if hopper and backends.sm90_ops is not None else "triton")
+    assert devices.kernels_run_on(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (7, 0), (6, 1)])
+def test_gpus_before_ampere_fall_back_to_pytorch(capability, gpu_capability):
+    """The kernels are never sent to a GPU they were not built for: the PyTorch path runs there."""
+    gpu_capability(capability)
+    for pass_name in ("fwd", "bwd"):
+        assert select(call(pass_name)).name == "torch"
+    assert "Ampere" in BACKENDS["triton"].takes(call())
+    assert not devices.kernels_run_on(torch.device("cuda"))
+
+
+@pytest.mark.skipif(backends.sm90_ops is None, reason="this triton has no Gluon Hopper API")
+@pytest.mark.parametrize(
+    "changes,reason",
+    [({"block_size": 128}, "64-token blocks"), ({"head_dim": 64}, "D = 128"), ({"heads": (4, 2)}, "no GQA"),
+     ({"dtype": torch.float32}, "float16 and bfloat16"), ({"tma_rows": False}, "rows"),
+     ({"pass_name": "fwd"}, "no fwd kernel")],
+)
+def test_hopper_backward_takes_only_its_shape(changes, reason, gpu_capability):
+    gpu_capability((9, 0))
+    assert select(call(rotate=7)).name == "sm90-gluon"
+    other = call(**changes)
+    assert reason in BACKENDS["sm90-gluon"].takes(other)
+    assert select(other).name == "triton"
+
+
+def test_every_backend_says_what_it_is():
+    for backend in BACKENDS.values():
+        assert backend.summary and backend.passes and set(backend.passes) <= {"fwd", "bwd"}
+    assert BACKENDS["torch"].passes == ("fwd", "bwd") and BACKENDS["triton"].passes == ("fwd", "bwd")
+
+
+def test_call_reads_the_layout_of_its_tensors():
+    q = torch.randn(10, 3, 128, dtype=torch.bfloat16)
+    assert AttentionCall.of("bwd", q, q, 64, 0, tensors=(q, q, q, q), grads=(q, q, q)).tma_rows
+    padded_heads = torch.randn(10, 3, 136, dtype=torch.bfloat16)[..., :128]
+    odd_rows = torch.randn(10, 385, dtype=torch.bfloat16)[:, :384].view(10, 3, 128)
+    for tensors, grads in (((padded_heads, q, q, q), (q, q, q)), ((odd_rows, q, q, q), (q, q, q)),
+                           ((q, q, q, q), (padded_heads, q, q))):
+        assert not AttentionCall.of("bwd", q, q, 64, 0, tensors=tensors, grads=grads).tma_rows
