@@ -45,7 +45,6 @@ from .rotary import (
 from .tiles import (
     LOG2E,
     ROTATE_K,
-    ROTATE_NONE,
     ROTATE_Q,
     ROTATE_V,
     block_bounds,
@@ -199,7 +198,7 @@ def _block_attention_fwd_kernel(
     v_base = v_ptr + kv_head * stride_vh
     o_base = o_ptr + head * stride_oh
 
-    if ROTATE != ROTATE_NONE:
+    if ROTATE:
         _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, head_dim, qk_scale_log2,
                           stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd,
                           BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE, INLINE_ASM)
@@ -253,7 +252,7 @@ def _bwd_rotary_slice(q_base, k_base, v_base, do_base, sinu_ptr, rows_in, row_ok
     q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE_Q & ROTATE, elem_ty, INLINE_ASM)
     k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
     v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE_V & ROTATE, elem_ty, INLINE_ASM)
-    do_even, do_odd = _operand_halves(do_words, sin, cos, ROTATE_NONE, elem_ty, INLINE_ASM)
+    do_even, do_odd = _operand_halves(do_words, sin, cos, False, elem_ty, INLINE_ASM)
     return sin, cos, q_even, q_odd, k_even, k_odd, v_even, v_odd, do_even, do_odd
 
 
@@ -377,7 +376,7 @@ def _block_attention_bwd_kernel(
     v_base = v_ptr + kv_head * stride_vh
     dk_base = dk_ptr + kv_head * stride_dkh
     dv_base = dv_ptr + kv_head * stride_dvh
-    if ROTATE != ROTATE_NONE:
+    if ROTATE:
         _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, rows, row_ok, kv_head,
                           first_slice, head_dim, scale, qk_scale_log2,
                           stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
