@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import blockattn
 from blockattn.block_table import build_block_table, scan_blocks
 from blockattn.ops import block_attention as triton_ops
+from blockattn.reference import block_attention_reference
 
 
 def run_torch_path(q, k, v, do, offsets, block_size):
@@ -130,7 +131,7 @@ def test_kernels_strided_inputs(poisoned_outputs):
 def test_custom_scale():
     q, k, v, do, offsets = random_inputs([40, 7], 2, 2, 16, torch.float32, "cpu")
     out = blockattn.block_attention(q, k, v, offsets, block_size=16, scale=0.3)
-    ref = blockattn.reference.block_attention_reference(q, k, v, offsets, block_size=16, scale=0.3)
+    ref = block_attention_reference(q, k, v, offsets, block_size=16, scale=0.3)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -220,7 +221,7 @@ def test_torch_path_non_finite_input_stays_in_its_block_and_head(where, bad):
     inputs = dict(q=q, k=k, v=v)
     inputs[where][20, 1, 3] = bad  # row 20: block 1 (rows 16..31) of sequence 0, head 1
     out = blockattn.block_attention(*inputs.values(), offsets, block_size=bs)
-    ref = blockattn.reference.block_attention_reference(*inputs.values(), offsets, block_size=bs)
+    ref = block_attention_reference(*inputs.values(), offsets, block_size=bs)
     poisoned = ~torch.isfinite(ref)
     assert poisoned.any()
     assert torch.equal(~torch.isfinite(out), poisoned)

@@ -29,7 +29,7 @@ from blockattn import backends, devices
 from blockattn.backends import AttentionCall
 from blockattn.checks import rotate_mask
 from blockattn.ops.tiles import ROTATE_ALL
-from blockattn.reference import snr_db
+from blockattn.reference import rotary_reference, snr_db
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 ON_HOPPER = HAS_GPU and torch.cuda.get_device_capability()[0] == 9
@@ -300,8 +300,6 @@ def test_sm90_backward_fp32_angles_and_packed_heads(poisoned_outputs):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_apply_rotary_on_gpu(dtype, poisoned_outputs):
-    from blockattn.reference import rotary_reference
-
     x = torch.randn(1000, 3, 128, dtype=dtype, device="cuda", requires_grad=True)
     sinu_pos = random_angles(1000, 128, torch.float32, "cuda")
     y = blockattn.apply_rotary(x, sinu_pos)
@@ -369,7 +367,7 @@ def test_gpu_before_ampere_runs_the_pytorch_path(monkeypatch, poisoned_outputs):
     mask = rotate_mask(("q", "k"))
     assert_within_2x_pytorch(results, q, k, v, do, offsets, 32, sinu_pos=sinu_pos, rotate=mask)
     y = blockattn.apply_rotary(q, sinu_pos)
-    assert max_err(y, blockattn.reference.rotary_reference(q, sinu_pos)) <= 2 * torch.finfo(torch.bfloat16).eps * 8
+    assert max_err(y, rotary_reference(q, sinu_pos)) <= 2 * torch.finfo(torch.bfloat16).eps * 8
 
 
 def test_float64_is_refused_on_the_gpu():

@@ -1,8 +1,10 @@
-"""blockattn: block-diagonal attention on jagged sequences, as GPU kernels (Triton) with a PyTorch CPU path."""
+"""blockattn: block-diagonal attention on jagged sequences, as GPU kernels (Triton) with a PyTorch CPU path.
 
-from . import reference
+``blockattn.reference`` (import it by name) holds the float64 reference that tests and the bench compare with.
+"""
+
 from .attention import block_attention, qkv_block_attention
 from .rotary import apply_rotary
 
-__all__ = ["apply_rotary", "block_attention", "qkv_block_attention", "reference"]
+__all__ = ["apply_rotary", "block_attention", "qkv_block_attention"]
 __version__ = "0.1.0"

@@ -59,7 +59,8 @@ def scan_blocks(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tupl
     num_seqs = offsets.numel() - 1
     block_cum = torch.empty(num_seqs, dtype=torch.int32, device=offsets.device)
     ok = torch.empty((), dtype=torch.bool, device=offsets.device)
-    _block_scan_kernel[(1,)](offsets, block_cum, ok, num_seqs, num_tokens, BLOCK_SIZE=block_size, CHUNK=1024)
+    _block_scan_kernel[(1,)](offsets_ptr=offsets, block_cum_ptr=block_cum, ok_ptr=ok, num_seqs=num_seqs,
+                             num_tokens=num_tokens, BLOCK_SIZE=block_size, CHUNK=1024)
     return block_cum, ok
 
 
