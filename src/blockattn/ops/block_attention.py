@@ -1,4 +1,4 @@
-"""Block-diagonal attention on jagged sequences: Triton kernels, their launchers, and the PyTorch (CPU) path.
+"""Block-diagonal attention on jagged sequences: the Triton kernels and their launchers.
 
 Each query block attends to exactly one key/value block, so one program holds a whole ``[BS, BS]`` score tile:
 the softmax is exact in one pass (no online rescaling, no log-sum-exp), and the backward recomputes ``P`` from

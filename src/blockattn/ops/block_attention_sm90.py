@@ -1,5 +1,5 @@
 """The backward of block attention on Hopper (sm_90), plain or with a fused rotary: a Gluon kernel, its launcher,
-and the test of whether it applies.
+and what it takes (:func:`why_not`, which the dispatcher asks).
 
 One program per (block, head), as the Triton kernels, but its four tiles come in by TMA: one thread issues four bulk
 copies into 64 KB of shared memory and nothing is staged in registers, so every byte of the program is in flight at
