@@ -1,6 +1,9 @@
-"""The benchmark harness and command line (timings themselves only on a GPU)."""
+"""The benchmark harness and command line (timings themselves only on a GPU; the logic around them runs here with
+stand-in timers, runners and reports)."""
 
 import importlib.util
+import io
+import itertools
 import json
 import math
 import sys
@@ -8,25 +11,28 @@ import types
 
 import pytest
 import torch
-from conftest import HAS_GPU, make_offsets, random_angles, requires_gpu, snr_db
+from conftest import HAS_GPU, make_offsets, random_angles, requires_gpu
 
-from blockattn.__main__ import build_parser, main, workloads_from_args
+from blockattn.__main__ import build_parser, main, make_console, print_report, workloads_from_args
 from blockattn.bench import harness
 from blockattn.bench.baselines import (
     BASELINES,
+    NEEDS,
     QKV_IMPLS,
     QKV_REFERENCE,
     ROTARY_IMPLS,
     ROTARY_REFERENCE,
     Case,
+    Runner,
     Unavailable,
     blockattn_runner,
     flex_block_mask,
     heads_first,
     padded_sdpa_runner,
+    why_not_here,
 )
-from blockattn.bench.presets import PRESETS, lengths_for_sparsity
-from blockattn.reference import block_attention_reference
+from blockattn.bench.presets import PRESETS, Workload, lengths_for_sparsity
+from blockattn.reference import block_attention_reference, snr_db
 
 
 def parse(*argv):
@@ -51,14 +57,56 @@ def test_cli_custom_workload():
     (w,) = workloads_from_args(args)
     assert (w.num_seqs, w.min_len, w.max_len, w.heads, w.kv_heads, w.head_dim, w.block_size) == (
         10, 400, 1000, 4, 2, 64, 32)
-    with pytest.raises(SystemExit, match="--heads"):
-        workloads_from_args(parse("--seqs", "10", "--max-len", "100", "--head-dim", "64"))
+    (w,) = workloads_from_args(parse("--seqs", "2", "--max-len", "100", "--heads", "2", "--head-dim", "64",
+                                     "--sparsity", "1"))
+    assert set(w.lengths().tolist()) == {100}  # density 1: every sequence is max-len long
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--heads", "3", "--kv-heads", "2", "--seqs", "4", "--max-len", "100", "--head-dim", "64"],
+     "--heads 3 must be a multiple of --kv-heads 2"),
+    (["--sparsity", "2"], "argument --sparsity: must be in (0, 1]"),
+    (["--sparsity", "0"], "argument --sparsity: must be in (0, 1]"),
+    (["--max-len", "1"], "argument --max-len: must be >= 2, got 1"),
+    (["--seqs", "0"], "argument --seqs: must be >= 1, got 0"),
+    (["--seqs", "many"], "argument --seqs: expected an integer, got 'many'"),
+    (["--heads", "0"], "argument --heads: must be >= 1"),
+    (["--head-dim", "100"], "argument --head-dim: must be a multiple of 8 in [16, 256], got 100"),
+    (["--head-dim", "512"], "argument --head-dim: must be a multiple of 8 in [16, 256], got 512"),
+    (["--block-size", "48"], "argument --block-size: invalid choice: 48"),
+    (["--rep-ms", "0"], "argument --rep-ms: must be >= 1, got 0"),
+    (["--baselines", "FA2 varlen (aten)", "nope"], "argument --baselines: invalid choice: 'nope'"),
+    (["--seqs", "10", "--max-len", "100", "--head-dim", "64"], "also needs --heads"),
+    (["--sparsity", "0.5"], "a custom workload (--sparsity) also needs --seqs, --max-len, --heads, --head-dim"),
+])
+def test_cli_rejects_bad_flags_before_anything(argv, message, capsys):
+    """Usage errors, exit status 2, whether or not there is a GPU: nothing runs first."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: blockattn bench" in err and message in err
+    assert "Traceback" not in err
+
+
+def test_cli_workload_errors_are_usage_errors(monkeypatch, capsys):
+    """Whatever Workload itself rejects ends as a usage error too."""
+    def refuse(**fields):
+        raise ValueError("custom: lengths need 0 < min_len < max_len")
+
+    monkeypatch.setattr("blockattn.__main__.Workload", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--seqs", "4", "--max-len", "100", "--heads", "2", "--head-dim", "64"])
+    assert exit_info.value.code == 2
+    assert "custom workload: custom: lengths need" in capsys.readouterr().err
 
 
 def test_sparsity_is_a_density():
     assert lengths_for_sparsity(2000, 0.7) == (800, 2000)
     assert lengths_for_sparsity(8192, 0.5) == (1, 8192)
     assert lengths_for_sparsity(1000, 0.25) == (1, 500)
+    assert lengths_for_sparsity(100, 1.0) == (100, 101)
+    assert lengths_for_sparsity(2, 0.9) == (2, 3)
     with pytest.raises(ValueError):
         lengths_for_sparsity(100, 0.0)
 
@@ -68,15 +116,15 @@ def test_sparsity_is_a_density():
     [("ads", 800, 2000, 1400, 1.61e6), ("ads-rotary", 1012, 2000, 1506, 1.74e6), ("ads-d64", 800, 2000, 1400, 1.61e6),
      ("long", 1, 8192, 4096, 4.72e6), ("short", 1, 307, 154, 0.63e6)],
 )
-def test_presets_follow_spec(name, lo, hi, mean, tokens):
+def test_presets_match_the_documented_workloads(name, lo, hi, mean, tokens):
     lengths = PRESETS[name].lengths(seed=0).double()
     assert lengths.min() >= lo and lengths.max() < hi
     assert abs(lengths.mean().item() - mean) < 0.05 * mean
     assert abs(lengths.sum().item() - tokens) < 0.03 * tokens
 
 
-def test_floor_bytes_match_spec():
-    # SPEC §4: ads, N = 1.63 M, bf16 at 4.27 TB/s -> 1.564 ms forward, 2.736 ms backward.
+def test_floor_bytes():
+    # ads, N = 1.63 M, bf16, at an H200's 4.27 TB/s copy bandwidth -> 1.564 ms forward, 2.736 ms backward.
     w, n = PRESETS["ads"], 1_630_000
     floors = harness.floor_bytes(w, n)
     assert floors["fwd"] / 4.27e12 * 1e3 == pytest.approx(1.564, rel=0.01)
@@ -197,14 +245,206 @@ def test_optional_package_adapters(name, monkeypatch):
         assert snr_db(got, want) > 100
 
 
-def fake_report():
-    report = harness.Report({"device": "test device", "date": "2026-01-01T00:00:00+00:00"}, 1.0)
-    for impl, ms in (("blockattn", 1.0), ("FA2 varlen (aten)", 2.0)):
-        report.results.append({"workload": "ads", "group": "attention", "pass": "fwd", "impl": impl, "ms": ms,
-                               "floor_ms": 1.0, "x_floor": ms, "floor_tbps": 1.0 / ms, "extra_ms": {},
-                               "speedup_vs_fa2": 2.0 / ms, "reference": "FA2 varlen (aten)"})
-    report.skipped.append({"workload": "ads", "impl": "xformers", "reason": "not installed"})
+FAKE_ENV = {"device": "test device", "compute_capability": "9.0", "sm_count": 132, "torch": "2.x", "triton": "3.x",
+            "date": "2026-01-01T00:00:00+00:00"}
+CUDNN_ERROR = ("Expected mha_graph.execute(handle, variant_pack, workspace_ptr.get()).is_good() to be true, but got "
+               "false.")
+
+
+def fake_report(workloads=("ads",), groups=("attention",), passes=("fwd",)):
+    """A report as the harness writes it, with one failed and one unavailable implementation per group."""
+    report = harness.Report(dict(FAKE_ENV), 3.0123)
+    for w in workloads:
+        report.workloads.append({"name": w, "implementations": {}})
+        for g in groups:
+            impls = [f"blockattn {g}", f"other {g}", f"FA2 {g}", "xformers", "SDPA cuDNN padded"]
+            report.workloads[-1]["implementations"][g] = impls
+            for p in passes:
+                for impl, ms in zip(impls[:3], (1.2346, 12345.678, 2.5)):
+                    report.results.append({
+                        "workload": w, "group": g, "pass": p, "impl": impl, "ms": ms,
+                        "quantiles_ms": {"p20": ms, "p50": ms, "p80": ms}, "peak_mib": 4321.0, "floor_ms": 1.0,
+                        "x_floor": ms, "floor_tbps": 3.0 / ms, "speedup_vs_fa2": 2.5 / ms, "reference": f"FA2 {g}",
+                        "checked_against": None if impl == impls[0] else impls[0],
+                        "extra_ms": {"pad q,k,v + unpad out": 0.4321} if impl == f"other {g}" else {}})
+            report.skipped.append({"workload": w, "group": g, "impl": "xformers", "status": "unavailable",
+                                   "reason": "`xformers` is not installed (No module named 'xformers')"})
+            report.skipped.append({"workload": w, "group": g, "impl": "SDPA cuDNN padded", "status": "failed",
+                                   "reason": f"RuntimeError: {CUDNN_ERROR}"})
+        report.accuracy += [
+            {"workload": w, "impl": "blockattn", "tokens": 32000, "max_out": 0.0012, "max_dq": 0.1234,
+             "max_dk": 0.0456, "max_dv": 0.0078, "mean_dq": 1.5e-3, "snr_dq_db": 51.25},
+            {"workload": w, "impl": "FA2 varlen (aten)", "status": "failed", "reason": "OutOfMemoryError: CUDA out"}]
     return report
+
+
+def printed(report) -> str:
+    stream = io.StringIO()
+    print_report(report, make_console(file=stream))
+    return stream.getvalue()
+
+
+def test_report_is_readable_in_a_log():
+    """Printed to a file (no terminal), nothing is cut: no "…", every number in full, failures in their row."""
+    text = printed(fake_report(workloads=("ads-rotary", "short"), groups=("attention", "rotary", "qkv"),
+                               passes=("fwd", "bwd", "fwdbwd")))
+    assert "…" not in text and "\x1b[" not in text  # nothing shortened, no colour codes in the log
+    for number in ("1.235", "12345.678", "4321", "0.432", "1.23", "51.2", "3.01 TB/s", "2.02x"):
+        assert number in text, number
+    lines = text.splitlines()
+    assert any("SDPA cuDNN padded" in line and "FAILED: RuntimeError: Expected mha_graph" in line for line in lines)
+    assert any("xformers" in line and "unavailable: `xformers` is not installed" in line for line in lines)
+    assert any("FA2 varlen (aten)" in line and "FAILED: OutOfMemoryError" in line for line in lines)
+    assert max(map(len, lines)) <= 200
+
+
+def test_blockattn_failure_is_said_plainly():
+    report = fake_report()
+    report.skipped.append({"workload": "ads", "group": "attention", "impl": "blockattn", "status": "failed",
+                           "reason": "RuntimeError: [1, 2] went wrong"})
+    report.workloads.append({"name": "long", "failed": "OutOfMemoryError: CUDA out of memory."})
+    text = printed(report)
+    assert "FAILED: blockattn on ads (attention): RuntimeError: [1, 2] went wrong" in text
+    assert "FAILED: workload long: OutOfMemoryError: CUDA out of memory." in text
+    assert report.headline_failures() and not fake_report().headline_failures()
+
+
+class NoProgress:
+    def add_task(self, *args, **kwargs):
+        return 0
+
+    def update(self, *args, **kwargs):
+        pass
+
+    def advance(self, *args, **kwargs):
+        pass
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Stand-ins for what only a GPU measures: timings, peak memory, copy bandwidth, the environment."""
+    def time_ms(fn, rep_ms):
+        fn()
+        return {"p20": 0.9, "p50": 1.0, "p80": 1.2}
+
+    def peak_mib(fn):
+        fn()
+        return 64.0
+
+    monkeypatch.setattr(harness, "time_ms", time_ms)
+    monkeypatch.setattr(harness, "peak_mib", peak_mib)
+    monkeypatch.setattr(harness, "environment", lambda: dict(FAKE_ENV))
+    monkeypatch.setattr(harness, "copy_bandwidth_tbps", lambda rep_ms: 3.0)
+
+
+def runner_of(results, check_error=None, fwd_error=None) -> Runner:
+    def check():
+        if check_error:
+            raise check_error
+        return results
+
+    def fwd():
+        if fwd_error:
+            raise fwd_error
+
+    return Runner(fwd=fwd, bwd=lambda: None, fwdbwd=lambda: None, check=check)
+
+
+def raises(error):
+    def factory(case):
+        raise error
+
+    return factory
+
+
+def test_time_group_records_failures_and_goes_on(fake_gpu):
+    case = small_case()
+    good = [torch.ones(3, 2), torch.full((3, 2), 2.0)]
+    factories = {
+        "blockattn": lambda case: runner_of(good),
+        "cuDNN": raises(RuntimeError(CUDNN_ERROR + "\nmore lines")),
+        "oom in check": lambda case: runner_of(good, check_error=torch.OutOfMemoryError("CUDA out of memory.")),
+        "oom in timing": lambda case: runner_of(good, fwd_error=torch.OutOfMemoryError("CUDA out of memory.")),
+        "compile": raises(NotImplementedError()),
+        "not here": raises(Unavailable("`xformers` is not installed")),
+        "wrong": lambda case: runner_of([-t for t in good]),
+        "FA2": lambda case: runner_of([t + 1e-4 for t in good]),
+    }
+    report = harness.Report(dict(FAKE_ENV), 3.0)
+    harness._time_group(report, PRESETS["ads"], case, "attention", factories, "FA2", None, ["fwd", "bwd"], 10,
+                        NoProgress(), 0)
+    assert {(r["impl"], r["pass"]) for r in report.results} == {(i, p) for i in ("blockattn", "FA2")
+                                                                for p in ("fwd", "bwd")}
+    row = next(r for r in report.results if r["impl"] == "FA2")
+    assert row["quantiles_ms"] == {"p20": 0.9, "p50": 1.0, "p80": 1.2} and row["ms"] == 1.0
+    assert row["peak_mib"] == 64.0 and row["checked_against"] == "blockattn" and row["speedup_vs_fa2"] == 1.0
+    status = {s["impl"]: (s["status"], s["reason"]) for s in report.skipped}
+    assert status == {
+        "cuDNN": ("failed", f"RuntimeError: {CUDNN_ERROR}"),
+        "oom in check": ("failed", "OutOfMemoryError: CUDA out of memory."),
+        "oom in timing": ("failed", "OutOfMemoryError: CUDA out of memory."),
+        "compile": ("failed", "NotImplementedError"),
+        "not here": ("unavailable", "`xformers` is not installed"),
+        "wrong": ("failed", status["wrong"][1]),
+    }
+    assert status["wrong"][1].startswith("WrongResult: differs from blockattn's result")
+
+
+def test_results_are_checked_against_the_first_that_ran(fake_gpu):
+    """blockattn failing leaves the others checked against the next implementation, which the rows name."""
+    good = [torch.ones(3, 2)]
+    factories = {"blockattn": raises(RuntimeError("boom")), "FA2": lambda case: runner_of(good),
+                 "SDPA": lambda case: runner_of(good), "wrong": lambda case: runner_of([2 * t for t in good])}
+    report = harness.Report(dict(FAKE_ENV), 3.0)
+    report.workloads.append({"name": "ads", "implementations": {"attention": list(factories)}})
+    harness._time_group(report, PRESETS["ads"], small_case(), "attention", factories, "FA2", None, ["fwd"], 10,
+                        NoProgress(), 0)
+    assert {r["impl"]: r["checked_against"] for r in report.results} == {"FA2": None, "SDPA": "FA2"}
+    assert {s["impl"]: s["status"] for s in report.skipped} == {"blockattn": "failed", "wrong": "failed"}
+    assert "differs from FA2's result" in next(s["reason"] for s in report.skipped if s["impl"] == "wrong")
+    text = printed(report)
+    assert "checked against FA2 (blockattn gave no result)" in text
+    assert "FAILED: blockattn on ads (attention): RuntimeError: boom" in text
+
+
+def test_run_goes_on_past_a_failed_workload_and_writes_the_report(fake_gpu, monkeypatch, tmp_path):
+    """The whole run on the CPU: a workload whose inputs cannot be made fails alone, the others are measured, and
+    the table, bench.json and the chart are written."""
+    make_case = harness.make_case
+
+    def flaky_make_case(w, offsets, seed):
+        if w.name == "too big":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return make_case(w, offsets, seed)
+
+    monkeypatch.setattr(harness, "make_case", flaky_make_case)
+    workloads = [Workload("small", 3, 1, 130, 2, 1, 32, dtype="float32", rotary=True),
+                 Workload("too big", 3, 1, 130, 2, 2, 32, dtype="float32"),
+                 Workload("plain", 2, 1, 70, 2, 2, 32, dtype="float32")]
+    report = harness.run(workloads, ["fwd", "bwd"], ["FA2 varlen (aten)", "SDPA mem-eff padded"], 10, 0,
+                         NoProgress(), device="cpu")
+    assert [w.get("failed") for w in report.workloads] == [
+        None, "OutOfMemoryError: CUDA out of memory. Tried to allocate 80.00 GiB", None]
+    timed = {(r["workload"], r["group"], r["impl"]) for r in report.results}
+    assert {("small", "attention", "blockattn"), ("small", "rotary", "blockattn fused rotary"),
+            ("small", "qkv", "blockattn qkv_block_attention"), ("plain", "attention", "blockattn")} <= timed
+    assert not any(w == "too big" for w, _, _ in timed)
+    assert {s["status"] for s in report.skipped} == {"unavailable"}  # FA2 and SDPA need a GPU
+    assert {(a["workload"], a["impl"]) for a in report.accuracy if "status" not in a} == {
+        ("small", "blockattn"), ("plain", "blockattn")}
+    paths = harness.write_files(report, tmp_path / "out")
+    assert [p.name for p in paths] == ["bench.json", "bench.png"]
+    data = json.loads(paths[0].read_text())
+    assert data["workloads"][1]["failed"].startswith("OutOfMemoryError")
+    assert "FAILED: workload too big: OutOfMemoryError" in printed(report)
+
+
+def test_accuracy_goes_on_when_an_implementation_fails(monkeypatch):
+    monkeypatch.setattr(harness, "blockattn_runner", raises(torch.OutOfMemoryError("CUDA out of memory.")))
+    w = Workload("small", 3, 1, 130, 2, 2, 32, dtype="float32")
+    rows = harness._accuracy(w, w.offsets(), 0)
+    assert [(r["impl"], r["status"]) for r in rows] == [("blockattn", "failed"), ("FA2 varlen (aten)", "unavailable")]
+    assert rows[0]["reason"] == "OutOfMemoryError: CUDA out of memory."
 
 
 def test_report_files(tmp_path):
@@ -212,20 +452,97 @@ def test_report_files(tmp_path):
     assert [p.name for p in paths] == ["bench.json", "bench.png"]
     data = json.loads(paths[0].read_text())
     assert set(data) == {"environment", "copy_bandwidth_tbps", "workloads", "results", "skipped", "accuracy"}
+    assert {s["status"] for s in data["skipped"]} == {"unavailable", "failed"}
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chart_is_legible(tmp_path):
+    """Five presets, three passes, three groups: one panel per group, and no tick label over another."""
+    report = fake_report(workloads=("ads", "ads-rotary", "ads-d64", "long", "short"),
+                         groups=("attention", "rotary", "qkv"), passes=("fwd", "bwd", "fwdbwd"))
+    for r in report.results:
+        if r["workload"] == "long":  # as when FA2 failed on it: no speedups
+            r["speedup_vs_fa2"] = None
+    fig = harness.chart(report)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title().split(":")[0] for ax in panels] == ["attention", "rotary", "qkv"]
+    for ax in fig.axes:  # the panels, and the workload names under them
+        boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+        assert boxes
+        assert all(a.x1 <= b.x0 for a, b in itertools.pairwise(boxes)), ax
+    assert sum(t.get_text() == "no reference\nresult" for t in panels[0].texts) == 3
+    harness.write_chart(report, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the machine-without-GPU path")
 def test_bench_without_gpu_says_so(capsys, tmp_path):
-    assert main(["bench", "--out", str(tmp_path)]) == 0
-    printed = capsys.readouterr().out
-    assert "No CUDA GPU" in printed and "ms" not in printed
-    assert not (tmp_path / "bench.json").exists()
+    out = tmp_path / "out"
+    assert main(["bench", "--preset", "ads", "short", "--out", str(out)]) == 0
+    printed_text = capsys.readouterr().out
+    assert "No CUDA GPU" in printed_text and "ms" not in printed_text
+    assert "Asked for: ads, short" in printed_text and f"Nothing written to {out}" in printed_text
+    assert not out.exists()
+
+
+def test_baselines_say_why_not_here():
+    assert set(NEEDS) == set(BASELINES)
+    for name in BASELINES:
+        reason = why_not_here(name)
+        assert reason is None or reason.strip()
+        if not torch.cuda.is_available():
+            assert "needs a CUDA GPU" in reason
+    if importlib.util.find_spec("xformers") is None:
+        assert "`xformers` not installed" in why_not_here("xformers BlockDiagonalMask")
 
 
 def test_info(capsys):
     assert main(["info"]) == 0
-    assert "FA2 varlen (aten)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FA2 varlen (aten)" in out and "Baselines (bench):" in out
+    assert "Backends (blockattn)" in out and all(f"  {name} (" in out for name in ("triton", "torch"))
+    if not HAS_GPU:
+        assert "Presets here (cpu)" in out and "ads-rotary rotary  fwd: torch  bwd: torch" in out
+        assert "not here: needs a CUDA GPU" in out
+        assert "FlexAttention               not here: needs a CUDA GPU" in out
+
+
+def test_info_backend_reasons(monkeypatch, capsys):
+    """Against a stand-in dispatcher: a backend that takes some presets names the others and why."""
+    from blockattn import backends
+
+    def hopper_only(call):
+        return None if call.head_dim == 128 else f"takes D = 128, not {call.head_dim}"
+
+    fake = types.ModuleType("blockattn.backends")
+    fake.AttentionCall = backends.AttentionCall
+    fake.BACKENDS = {
+        "special": types.SimpleNamespace(name="special", passes=("bwd",), summary="D = 128 only",
+                                         why_not=hopper_only),
+        "everything": types.SimpleNamespace(name="everything", passes=("fwd", "bwd"), summary="the rest",
+                                            why_not=lambda call: None),
+    }
+    fake.select = lambda call: next(b for b in fake.BACKENDS.values()
+                                    if call.pass_name in b.passes and b.why_not(call) is None)
+    monkeypatch.setitem(sys.modules, "blockattn.backends", fake)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "  special (bwd): D = 128 only\n      not for ads-d64, short: takes D = 128, not 64\n" in out
+    presets = out.split("Presets here")[1].split("Baselines")[0].splitlines()[1:]
+    runs = {line.split()[0]: line.split(maxsplit=1)[1] for line in presets}
+    assert runs["ads"] == "fwd: everything  bwd: special" and runs["short"] == "fwd: everything  bwd: everything"
+
+
+def test_padded_sdpa_refuses_what_its_kernel_does_not_take():
+    """Inputs a fused SDPA kernel does not take make it unavailable, checked before anything runs."""
+    case = small_case()
+    with pytest.raises(Unavailable, match="takes no mask"):
+        padded_sdpa_runner(torch.nn.attention.SDPBackend.FLASH_ATTENTION)(case)
+    if not HAS_GPU:
+        with pytest.raises(Unavailable, match="refused these inputs"):
+            padded_sdpa_runner(torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION)(case)
 
 
 @requires_gpu
@@ -236,7 +553,8 @@ def test_small_gpu_run(tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     ours = [r for r in data["results"] if r["impl"] == "blockattn"]
     assert {r["pass"] for r in ours} == {"fwd", "bwd", "fwdbwd"}
-    assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in ours)
+    assert all(r["ms"] > 0 and r["floor_ms"] > 0 and r["peak_mib"] > 0 for r in ours)
+    assert all(r["quantiles_ms"]["p20"] <= r["ms"] <= r["quantiles_ms"]["p80"] for r in ours)
     timed = {(r["group"], r["impl"]) for r in data["results"]}
     assert {("rotary", "blockattn fused rotary"), ("rotary", ROTARY_REFERENCE), ("qkv", QKV_REFERENCE),
             ("qkv", "blockattn qkv_block_attention")} <= timed

@@ -3,16 +3,60 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 
+from .bench import harness
+from .bench.baselines import BASELINES
 from .bench.presets import CPU_DEMO, PRESETS, Workload, lengths_for_sparsity
+from .checks import BLOCK_SIZES, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 PASS_CHOICES = {"fwd": ["fwd"], "bwd": ["bwd"], "fwdbwd": ["fwdbwd"], "all": ["fwd", "bwd", "fwdbwd"]}
 CUSTOM_FLAGS = ("seqs", "max_len", "sparsity", "heads", "kv_heads", "head_dim", "block_size")
+REQUIRED_CUSTOM_FLAGS = ("seqs", "max_len", "heads", "head_dim")
+DEFAULT_SPARSITY, DEFAULT_BLOCK_SIZE = 0.7, 64
+# Piped into a file, rich would cut every line to 80 columns; there it gets this width instead.
+LOG_WIDTH = 200
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def at_least(low: int):
+    """An argparse ``type``: an integer ``>= low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def head_dim(text: str) -> int:
+    value = at_least(1)(text)
+    if not (MIN_HEAD_DIM <= value <= MAX_HEAD_DIM and value % 8 == 0):
+        raise argparse.ArgumentTypeError(f"must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {value}")
+    return value
+
+
+def sparsity(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (a density: mean length / max-len), got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,46 +64,62 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="time block attention against every baseline this machine can run")
     bench.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=None,
-                       help="workloads of SPEC §3 (default: ads; with custom shape flags: none)")
+                       help='workloads to time, from docs/semantics.md, "Workloads" (default: ads; with custom '
+                            "shape flags: none)")
     bench.add_argument("--pass", dest="passes", choices=sorted(PASS_CHOICES), default="all")
     bench.add_argument("--dtype", choices=["bfloat16", "float16"], default=None, help="override the dtype")
-    bench.add_argument("--seqs", type=int, help="custom workload: number of sequences")
-    bench.add_argument("--max-len", type=int, help="custom workload: longest sequence")
-    bench.add_argument("--sparsity", type=float, default=0.7, help="custom workload: mean length / max-len")
-    bench.add_argument("--heads", type=int, help="custom workload: query heads")
-    bench.add_argument("--kv-heads", type=int, help="custom workload: key/value heads (default: --heads)")
-    bench.add_argument("--head-dim", type=int, help="custom workload: head dim")
-    bench.add_argument("--block-size", type=int, help="custom workload: block size (default 64)")
+    bench.add_argument("--seqs", type=at_least(1), help="custom workload: number of sequences")
+    bench.add_argument("--max-len", type=at_least(2), help="custom workload: longest sequence")
+    bench.add_argument("--sparsity", type=sparsity,
+                       help=f"custom workload: mean length / max-len, in (0, 1] (default {DEFAULT_SPARSITY})")
+    bench.add_argument("--heads", type=at_least(1), help="custom workload: query heads")
+    bench.add_argument("--kv-heads", type=at_least(1),
+                       help="custom workload: key/value heads, a divisor of --heads (default: --heads)")
+    bench.add_argument("--head-dim", type=head_dim,
+                       help=f"custom workload: head dim, a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    bench.add_argument("--block-size", type=int, choices=BLOCK_SIZES,
+                       help=f"custom workload: block size (default {DEFAULT_BLOCK_SIZE})")
     bench.add_argument("--rotary", action="store_true",
                        help="also time fused rotary and projection (always on for the ads-rotary preset)")
-    bench.add_argument("--baselines", nargs="*", default=None,
-                       help="names of baselines to run (default: all); see `blockattn info`")
-    bench.add_argument("--rep-ms", type=int, default=300, help="time spent repeating each measurement")
+    bench.add_argument("--baselines", nargs="*", choices=list(BASELINES), metavar="NAME", default=None,
+                       help="baselines to run (default: all): " + ", ".join(f"'{b}'" for b in BASELINES))
+    bench.add_argument("--rep-ms", type=at_least(1), default=300, help="time spent repeating each measurement")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for bench.json and bench.png")
-    sub.add_parser("info", help="GPU, library versions, available kernels and baselines")
+    # Checks across flags report through the bench parser too: its usage, exit status 2.
+    bench.set_defaults(usage_error=bench.error)
+    sub.add_parser("info", help="GPU, library versions, backends and baselines, and which of them run here")
     return parser
 
 
 def workloads_from_args(args: argparse.Namespace) -> list[Workload]:
-    custom = {flag: getattr(args, flag) for flag in CUSTOM_FLAGS if flag != "sparsity" and getattr(args, flag)}
-    selected = [PRESETS[name] for name in (args.preset or ([] if custom else ["ads"]))]
-    if custom:
-        missing = [f"--{f.replace('_', '-')}" for f in ("seqs", "max_len", "heads", "head_dim") if f not in custom]
+    """The workloads the flags ask for; a combination that makes no workload is a usage error."""
+    given = [f for f in CUSTOM_FLAGS if getattr(args, f) is not None]
+    selected = [PRESETS[name] for name in (args.preset or ([] if given else ["ads"]))]
+    if given:
+        missing = [flag(f) for f in REQUIRED_CUSTOM_FLAGS if f not in given]
         if missing:
-            raise SystemExit(f"blockattn bench: a custom workload needs {', '.join(missing)}")
-        lo, hi = lengths_for_sparsity(args.max_len, args.sparsity)
-        selected.append(Workload("custom", args.seqs, lo, hi, args.heads, args.kv_heads or args.heads,
-                                 args.head_dim, args.block_size or 64))
+            args.usage_error(f"a custom workload ({', '.join(map(flag, given))}) also needs {', '.join(missing)}")
+        kv_heads = args.kv_heads or args.heads
+        if args.heads % kv_heads:
+            args.usage_error(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads} (each key/value head "
+                             "serves a group of query heads)")
+        lo, hi = lengths_for_sparsity(args.max_len, DEFAULT_SPARSITY if args.sparsity is None else args.sparsity)
+        try:
+            selected.append(Workload(name="custom", num_seqs=args.seqs, min_len=lo, max_len=hi, heads=args.heads,
+                                     kv_heads=kv_heads, head_dim=args.head_dim,
+                                     block_size=args.block_size or DEFAULT_BLOCK_SIZE))
+        except ValueError as error:  # Workload's own checks: a usage error too, not a traceback
+            args.usage_error(f"custom workload: {error}")
     if args.dtype:
-        selected = [Workload(**{**w.to_dict(), "dtype": args.dtype}) for w in selected]
+        selected = [dataclasses.replace(w, dtype=args.dtype) for w in selected]
     if args.rotary:
-        selected = [Workload(**{**w.to_dict(), "rotary": True}) for w in selected]
+        selected = [dataclasses.replace(w, rotary=True) for w in selected]
     return selected
 
 
-def cpu_demo() -> int:
-    """No GPU: show that the op works (CPU path against the float64 reference); time nothing."""
+def cpu_demo(workloads: list[Workload], out: Path) -> int:
+    """No GPU: show that the op works (CPU path against the float64 reference); time nothing, write nothing."""
     from . import block_attention
     from .reference import block_attention_reference
 
@@ -67,108 +127,197 @@ def cpu_demo() -> int:
     offsets = w.offsets()
     n = int(offsets[-1])
     q, k, v = (torch.randn(n, h, w.head_dim) for h in (w.heads, w.kv_heads, w.kv_heads))
-    out = block_attention(q, k, v, offsets, block_size=w.block_size)
+    out_cpu = block_attention(q, k, v, offsets, block_size=w.block_size)
     ref = block_attention_reference(q, k, v, offsets, block_size=w.block_size)
-    err = (out.double() - ref).abs().max().item()
+    err = (out_cpu.double() - ref).abs().max().item()
     print("No CUDA GPU here, so no timings: a CPU measurement would say nothing about the kernels.")
+    print(f"Asked for: {', '.join(w.name for w in workloads)}; run `blockattn bench` on an NVIDIA GPU to time them.")
     print(f"The op works: CPU path on {w.num_seqs} sequences ({n} tokens, H={w.heads}, D={w.head_dim}), "
           f"max |out - float64 reference| = {err:.2e}.")
+    print(f"Nothing written to {out}: there are no timings to write.")
     return 0
+
+
+def make_console(file=None):
+    """rich's console. Where the output is no terminal (a log file, a pipe), rich would cut lines to 80 columns and
+    shorten table cells with "…"; there it gets a fixed wide width and no colour."""
+    from rich.console import Console
+
+    console = Console(file=file)
+    if not console.is_terminal:
+        console.width = LOG_WIDTH
+        console.no_color = True
+    return console
+
+
+def _number(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _status_note(entry: dict) -> str:
+    return f"{'FAILED' if entry['status'] == harness.FAILED else entry['status']}: {entry['reason']}"
 
 
 def print_report(report, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
+
+    def add_row(table, *cells):
+        table.add_row(*(Text(cell) for cell in cells))  # Text: names and error messages are not rich markup
 
     env = report.environment
-    console.print(f"[bold]{env['device']}[/] (sm_{env['compute_capability'].replace('.', '')}, "
+    console.print(f"[bold]{escape(env['device'])}[/] (sm_{env['compute_capability'].replace('.', '')}, "
                   f"{env['sm_count']} SMs), torch {env['torch']}, triton {env['triton']}, {env['date']}")
     console.print(f"copy bandwidth: {report.copy_tbps:.2f} TB/s (device-to-device, read + write)")
-    table = Table(title="time per call (median)")
-    for col in ("workload", "group", "pass", "implementation", "ms", "floor ms", "x floor", "TB/s at floor bytes",
-                "speedup vs FA2 path", "reported apart (ms)"):
-        table.add_column(col, justify="left" if col in ("workload", "group", "pass", "implementation") else "right")
-
-    def number(value, digits):
-        return "-" if value is None else f"{value:.{digits}f}"
-
-    for r in report.results:
-        speedup = r.get("speedup_vs_fa2")
-        table.add_row(r["workload"], r["group"], r["pass"], r["impl"], f"{r['ms']:.3f}", number(r["floor_ms"], 3),
-                      number(r["x_floor"], 2), number(r["floor_tbps"], 2), f"{speedup:.2f}x" if speedup else "-",
-                      ", ".join(f"{k}: {v:.3f}" for k, v in r["extra_ms"].items()))
+    table = Table(title="time per call")
+    for col in ("workload", "group", "pass", "implementation", "ms", "floor ms", "x floor", "TB/s", "vs FA2",
+                "peak MiB", "notes"):
+        # Folded, never cut: a number split over two lines in a narrow terminal still reads right.
+        table.add_column(col, justify="left" if col in ("workload", "group", "pass", "implementation", "notes")
+                         else "right", overflow="fold")
+    for entry in report.workloads:
+        for group, impls in entry.get("implementations", {}).items():
+            for impl in impls:
+                key = (entry["name"], group, impl)
+                for r in (r for r in report.results if (r["workload"], r["group"], r["impl"]) == key):
+                    notes = [f"{label}: {ms:.3f} ms" for label, ms in r["extra_ms"].items()]
+                    if r["checked_against"] not in (None, impls[0]):
+                        notes.append(f"checked against {r['checked_against']} ({impls[0]} gave no result)")
+                    speedup = r.get("speedup_vs_fa2")
+                    add_row(table, *key[:2], r["pass"], impl, f"{r['ms']:.3f}", _number(r["floor_ms"], 3),
+                            _number(r["x_floor"], 2), _number(r["floor_tbps"], 2),
+                            f"{speedup:.2f}x" if speedup else "-", f"{r['peak_mib']:.0f}", "; ".join(notes))
+                for s in (s for s in report.skipped if (s["workload"], s["group"], s["impl"]) == key):
+                    add_row(table, *key[:2], "-", impl, *["-"] * 6, _status_note(s))
     console.print(table)
+    console.print(
+        "ms: median time per call (p20 and p80 in bench.json); floor ms: the bytes that must move at the copy "
+        'bandwidth (docs/semantics.md, "Memory floor"); x floor: ms / floor ms; TB/s: the floor\'s bytes / ms; '
+        "vs FA2: speedup over the FA2 path of the group; peak MiB: the most memory one call allocates above what "
+        "was allocated before it."
+    )
     console.print("Groups: attention (speedups vs FA2 varlen); rotary: q, k, v rotated then attention, floor with "
                   "sinu_pos (vs FA2 + PyTorch rotary); qkv: x @ w + bias, rotary, attention, forward and backward to "
                   "dx, dw, dbias (vs matmul + PyTorch rotary + FA2; no floor).")
-    for s in report.skipped:
-        console.print(f"skipped {s['impl']} on {s['workload']} ({s.get('group', 'attention')}): {s['reason']}")
     acc = Table(title="accuracy against float64 (first sequences of each workload)")
     for col in ("workload", "implementation", "tokens", "max |out|", "max |dq|", "max |dk|", "max |dv|",
-                "mean |dq|", "SNR dq dB"):
-        acc.add_column(col)
+                "mean |dq|", "SNR dq dB", "notes"):
+        acc.add_column(col, overflow="fold")
     for a in report.accuracy:
-        if "skipped" in a:
+        if "status" in a:
+            add_row(acc, a["workload"], a["impl"], *["-"] * 7, _status_note(a))
             continue
-        acc.add_row(a["workload"], a["impl"], str(a["tokens"]),
-                    *(f"{a[f'max_{t}']:.4f}" for t in ("out", "dq", "dk", "dv")),
-                    f"{a['mean_dq']:.2e}", f"{a['snr_dq_db']:.1f}")
+        add_row(acc, a["workload"], a["impl"], str(a["tokens"]),
+                *(f"{a[f'max_{t}']:.4f}" for t in ("out", "dq", "dk", "dv")),
+                f"{a['mean_dq']:.2e}", f"{a['snr_dq_db']:.1f}", "")
     console.print(acc)
+    for line in report.headline_failures():
+        console.print(Text(f"FAILED: {line}", style="bold red"))
 
 
-def bench(args: argparse.Namespace) -> int:
-    workloads = workloads_from_args(args)
+def bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
+    """Exit status 1 where blockattn or a whole workload failed (the report says which); 0 otherwise."""
     if not torch.cuda.is_available():
-        return cpu_demo()
+        return cpu_demo(workloads, args.out)
     missing = [m for m in ("rich", "matplotlib") if importlib.util.find_spec(m) is None]
     if missing:
         raise SystemExit(f"blockattn bench needs {' and '.join(missing)}: pip install 'blockattn[bench]'")
-    from rich.console import Console
     from rich.progress import Progress
+    from rich.text import Text
 
-    from .bench import harness
-    from .bench.baselines import BASELINES
-
-    unknown = sorted(set(args.baselines or []) - set(BASELINES))
-    if unknown:
-        raise SystemExit(f"blockattn bench: unknown baselines {unknown}; known: {sorted(BASELINES)}")
-    console = Console()
+    console = make_console()
     with Progress(console=console, transient=True) as progress:
-        report = harness.run(workloads, PASS_CHOICES[args.passes],
-                             list(BASELINES) if args.baselines is None else args.baselines,
-                             args.rep_ms, args.seed, progress)
+        report = harness.run(workloads=workloads, passes=PASS_CHOICES[args.passes],
+                             baselines=list(BASELINES) if args.baselines is None else args.baselines,
+                             rep_ms=args.rep_ms, seed=args.seed, progress=progress)
+    # The files first: they hold what was measured even if printing it fails.
+    paths = harness.write_files(report, args.out)
     print_report(report, console)
-    for path in harness.write_files(report, args.out):
-        console.print(f"wrote {path}")
-    return 0
+    for path in paths:
+        console.print(Text(f"wrote {path}"))
+    return 1 if report.headline_failures() else 0
+
+
+def preset_calls(device: torch.device) -> dict:
+    """The attention calls the bench makes for each preset, ``{label: {pass: AttentionCall}}``: the plain call, and
+    for rotary presets the fused rotary one."""
+    from .backends import AttentionCall
+    from .ops.tiles import ROTATE_ALL, ROTATE_NONE
+
+    calls = {}
+    for w in PRESETS.values():
+        for label, rotate in [(w.name, ROTATE_NONE)] + ([(f"{w.name} rotary", ROTATE_ALL)] if w.rotary else []):
+            calls[label] = {p: AttentionCall(pass_name=p, device=device, dtype=w.torch_dtype, num_heads=w.heads,
+                                             num_kv_heads=w.kv_heads, head_dim=w.head_dim, block_size=w.block_size,
+                                             rotate=rotate)
+                            for p in ("fwd", "bwd")}
+    return calls
+
+
+def print_backends(device: torch.device) -> None:
+    """Each backend, why it declines this machine's preset calls, and which backend runs each preset's passes."""
+    from .backends import BACKENDS, select
+
+    calls = preset_calls(device)
+    print("Backends (blockattn), most preferred first; each call runs on the first that takes it:")
+    for backend in BACKENDS.values():
+        print(f"  {backend.name} ({', '.join(backend.passes)}): {backend.summary}")
+        declined = {}  # reason -> labels of the calls it declines for that reason
+        considered = 0
+        for label, by_pass in calls.items():
+            for p in backend.passes:
+                considered += 1
+                if reason := backend.why_not(by_pass[p]):
+                    declined.setdefault(reason, []).append(label)
+        if sum(map(len, declined.values())) == considered and len(declined) == 1:
+            print(f"      not here: {next(iter(declined))}")
+            continue
+        for reason, labels in declined.items():
+            print(f"      not for {', '.join(dict.fromkeys(labels))}: {reason}")
+
+    def runs(call) -> str:
+        try:
+            return select(call).name
+        except ValueError as error:
+            return f"none ({error})"
+
+    print(f"Presets here ({device}), the backend of each pass:")
+    width = max(map(len, calls))
+    for label, by_pass in calls.items():
+        print(f"  {label:<{width}}  " + "  ".join(f"{p}: {runs(call)}" for p, call in by_pass.items()))
 
 
 def info() -> int:
     import triton
 
     from . import __version__
-    from .bench.baselines import BASELINES
+    from .bench.baselines import why_not_here
 
     print(f"blockattn {__version__}, torch {torch.__version__}, triton {triton.__version__}, "
           f"python {sys.version.split()[0]}")
     if not torch.cuda.is_available():
-        print("GPU: none (CUDA not available). Kernels: PyTorch CPU path only.")
+        print("GPU: none (CUDA not available): the PyTorch path runs, the GPU backends need a CUDA GPU.")
+        device = torch.device("cpu")
     else:
         props = torch.cuda.get_device_properties(0)
         print(f"GPU: {props.name}, compute capability {props.major}.{props.minor}, "
               f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}")
-        supported = props.major >= 8
-        print(f"Kernels: Triton block attention forward/backward: {'yes' if supported else 'no (needs sm_80+)'}")
+        device = torch.device("cuda", torch.cuda.current_device())
+    print_backends(device)
     print("Baselines (bench):")
+    width = max(map(len, BASELINES))
     for name in BASELINES:
-        print(f"  {name}")
-    for module in ("flash_attn", "flash_attn_interface", "xformers"):
-        print(f"  package {module}: {'installed' if importlib.util.find_spec(module) else 'not installed'}")
+        reason = why_not_here(name)
+        print(f"  {name:<{width}}  {'usable here' if reason is None else 'not here: ' + reason}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return bench(args) if args.command == "bench" else info()
+    if args.command == "info":
+        return info()
+    return bench(args, workloads_from_args(args))
 
 
 if __name__ == "__main__":

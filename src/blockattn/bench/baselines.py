@@ -1,8 +1,10 @@
 """Implementations that `bench` times: blockattn and every alternative a user would otherwise reach for.
 
 Each factory takes a :class:`Case` and returns a :class:`Runner`, or raises :class:`Unavailable` with the reason
-shown in the report. The harness checks every runner's result against blockattn before timing it, so a baseline
-that computes something else never makes it into the table.
+shown in the report when it cannot run here (a package not installed, inputs its kernel does not take). Anything
+else it raises, then or while it runs, the harness reports as a failure. The harness checks every runner's result
+against blockattn's (or, where blockattn failed, the first result it got) before timing it, so a baseline that
+computes something else never makes it into the table.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 import blockattn
+from blockattn.block_table import BlockTable, block_rows, build_block_table
 from blockattn.custom_ops import split_heads
-from blockattn.layout import block_rows, block_table
+from blockattn.ops.tiles import ROTATE_ALL, ROTATE_NONE
 from blockattn.reference import rotary_reference
 
 
@@ -39,11 +42,11 @@ class Case:
     rows: torch.Tensor = field(init=False)  # [num_blocks, BS] token rows of each real block
     valid: torch.Tensor = field(init=False)  # [num_blocks, BS] which of them exist
     cu_blocks: torch.Tensor = field(init=False)  # int32 [num_blocks + 1]: one boundary per block
-    table: tuple[torch.Tensor, torch.Tensor] = field(init=False)  # layout.block_table
+    table: BlockTable = field(init=False)
 
     def __post_init__(self):
-        self.table = block_table(self.offsets, self.q.shape[0], self.block_size)
-        rows, valid = block_rows(self.offsets, *self.table, self.block_size)
+        self.table = build_block_table(self.offsets, self.q.shape[0], self.block_size)
+        rows, valid = block_rows(self.offsets, self.table, self.block_size)
         real = valid[:, 0]
         self.rows, self.valid = rows[real], valid[real]
         lengths = self.valid.sum(1, dtype=torch.int32)
@@ -99,15 +102,43 @@ def blockattn_runner(case: Case) -> Runner:
     runner = autograd_runner(forward, case.inputs, case.do)
     # The backward op alone, as autograd calls it (with the forward's block table): no graph bookkeeping.
     runner.bwd = lambda: torch.ops.blockattn.block_attention_bwd(
-        case.do, case.q, case.k, case.v, case.offsets, None, *case.table, case.block_size, case.scale, 0
+        grad_out=case.do, q=case.q, k=case.k, v=case.v, offsets=case.offsets, sinu_pos=None, **case.table._asdict(),
+        block_size=case.block_size, scale=case.scale, rotate=ROTATE_NONE,
     )
     return runner
 
 
-def flash2_aten_runner(case: Case) -> Runner:
-    """PyTorch's own FlashAttention-2 build with one ``cu_seqlens`` boundary per block: exactly block-diagonal."""
+NEEDS_GPU = "needs a CUDA GPU"
+
+
+def flash_build_reason() -> str | None:
+    """Why this torch build cannot run PyTorch's FlashAttention kernels (aten's and SDPA's), or ``None``."""
+    return None if torch.backends.cuda.is_flash_attention_available() else "this torch build has no FlashAttention"
+
+
+def fa2_reason(device: torch.device) -> str | None:
+    """Why aten's FlashAttention-2 cannot run on ``device``, or ``None``: it needs an NVIDIA GPU from Ampere on and
+    a torch build that includes it."""
+    if device.type != "cuda":
+        return NEEDS_GPU
+    if reason := flash_build_reason():
+        return reason
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs compute capability 8.0+ (Ampere)"
+    return None
+
+
+def require_fa2(case: Case) -> None:
+    """Raise :class:`Unavailable` where aten's FlashAttention-2 cannot take ``case``."""
+    if reason := fa2_reason(case.q.device):
+        raise Unavailable(f"FlashAttention-2 {reason}")
     if case.q.dtype not in (torch.float16, torch.bfloat16):
         raise Unavailable(f"FlashAttention-2 takes fp16/bf16, not {case.q.dtype}")
+
+
+def flash2_aten_runner(case: Case) -> Runner:
+    """PyTorch's own FlashAttention-2 build with one ``cu_seqlens`` boundary per block: exactly block-diagonal."""
+    require_fa2(case)
     cu, bs = case.cu_blocks, case.block_size
 
     def forward(q, k, v):
@@ -118,10 +149,7 @@ def flash2_aten_runner(case: Case) -> Runner:
             case.do, case.q, case.k, case.v, out, lse, cu, cu, bs, bs, 0.0, False, rng, unused, scale=case.scale
         )
 
-    try:
-        saved = forward(*case.inputs)
-    except RuntimeError as error:
-        raise Unavailable(f"aten FlashAttention-2 failed: {str(error).splitlines()[0]}") from None
+    saved = forward(*case.inputs)
 
     def fwdbwd():
         out, lse, rng, unused, _ = forward(*case.inputs)
@@ -129,6 +157,22 @@ def flash2_aten_runner(case: Case) -> Runner:
 
     return Runner(fwd=lambda: forward(*case.inputs)[0], bwd=lambda: backward(*saved[:4]), fwdbwd=fwdbwd,
                   check=fwdbwd)
+
+
+def sdpa_refusal(backend: torch.nn.attention.SDPBackend, q, k, v, mask, gqa: bool) -> str | None:
+    """Which of torch's own checks says SDPA's fused ``backend`` would not take these inputs; ``None`` if it would.
+    The math backend takes everything."""
+    can_use = {
+        torch.nn.attention.SDPBackend.FLASH_ATTENTION: torch.backends.cuda.can_use_flash_attention,
+        torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.can_use_efficient_attention,
+        torch.nn.attention.SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.can_use_cudnn_attention,
+    }.get(backend)
+    if can_use is None:
+        return None
+    # Without debug: its reasons go to the C++ log, not to Python, and would only clutter the output.
+    if can_use(torch.backends.cuda.SDPAParams(q, k, v, mask, 0.0, False, gqa), debug=False):
+        return None
+    return f"torch.backends.cuda.{can_use.__name__} says no (shapes, dtype, GQA or mask)"
 
 
 def padded_sdpa_runner(backend: torch.nn.attention.SDPBackend) -> Callable[[Case], Runner]:
@@ -158,10 +202,10 @@ def padded_sdpa_runner(backend: torch.nn.attention.SDPBackend) -> Callable[[Case
                 return sdpa(q, k, v, attn_mask=mask, scale=case.scale, enable_gqa=case.gqa)
 
         padded = [pad(t) for t in case.inputs]
-        try:
-            runner = autograd_runner(attention, padded, pad(case.do), to_tokens=unpad)
-        except RuntimeError as error:
-            raise Unavailable(f"refused these inputs: {str(error).splitlines()[0]}") from None
+        with sdpa_kernel(backend):
+            if reason := sdpa_refusal(backend, *padded, mask, case.gqa):
+                raise Unavailable(f"refused these inputs: {reason}")
+        runner = autograd_runner(attention, padded, pad(case.do), to_tokens=unpad)
         runner.extra = {
             "pad q,k,v + unpad out": lambda: [pad(t) for t in case.inputs] + [unpad(padded[0])],
             "pad do + unpad dq,dk,dv": lambda: [pad(case.do)] + [unpad(t) for t in padded],
@@ -221,10 +265,7 @@ def flex_runner(case: Case) -> Runner:
                        enable_gqa=case.gqa)
         return out.squeeze(0).transpose(0, 1)  # back to [N, H, D], a view
 
-    try:
-        runner = autograd_runner(attention, case.inputs, case.do)
-    except Exception as error:  # compile errors come in many types
-        raise Unavailable(f"FlexAttention failed: {str(error).splitlines()[0]}") from None
+    runner = autograd_runner(attention, case.inputs, case.do)
     runner.extra = {"build block mask": lambda: flex_block_mask(case)}
     return runner
 
@@ -234,6 +275,14 @@ def _import(module: str):
         return importlib.import_module(module)
     except ImportError as error:
         raise Unavailable(f"`{module}` is not installed ({error})") from None
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` is there to import, without importing it (a dotted name imports its parents only)."""
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in (module.partition(".")[0], module))
+    except ImportError:  # a parent package that is there but fails to import
+        return False
 
 
 def flash_attn_package_runner(module: str, function: str) -> Callable[[Case], Runner]:
@@ -275,6 +324,10 @@ def _sdpa(name: str):
     return padded_sdpa_runner(getattr(torch.nn.attention.SDPBackend, name))
 
 
+# The module each flash_attn baseline calls ``flash_attn_varlen_func`` of.
+FLASH_ATTN_MODULES = {"flash_attn FA2": "flash_attn", "flash_attn FA3": "flash_attn_interface",
+                      "flash_attn FA4": "flash_attn.cute"}
+
 # Name shown in the report -> factory. FlashAttention-2 (aten) is the reference for the speedups.
 BASELINES: dict[str, Callable[[Case], Runner]] = {
     "FA2 varlen (aten)": flash2_aten_runner,
@@ -283,11 +336,34 @@ BASELINES: dict[str, Callable[[Case], Runner]] = {
     "SDPA mem-eff padded": _sdpa("EFFICIENT_ATTENTION"),
     "FlexAttention": flex_runner,
     "xformers BlockDiagonalMask": xformers_runner,
-    "flash_attn FA2": flash_attn_package_runner("flash_attn", "flash_attn_varlen_func"),
-    "flash_attn FA3": flash_attn_package_runner("flash_attn_interface", "flash_attn_varlen_func"),
-    "flash_attn FA4": flash_attn_package_runner("flash_attn.cute", "flash_attn_varlen_func"),
+    **{name: flash_attn_package_runner(module, "flash_attn_varlen_func")
+       for name, module in FLASH_ATTN_MODULES.items()},
 }
 REFERENCE_BASELINE = "FA2 varlen (aten)"
+
+
+def _package(module: str) -> Callable[[], str | None]:
+    return lambda: None if installed(module) else f"`{module}` not installed"
+
+
+# What each baseline needs besides a CUDA GPU, as checks that run nothing (for `blockattn info`).
+NEEDS: dict[str, Callable[[], str | None]] = {
+    "FA2 varlen (aten)": flash_build_reason,
+    "SDPA cuDNN padded": lambda: None if torch.backends.cudnn.is_available() else "this torch build has no cuDNN",
+    "SDPA flash padded": flash_build_reason,
+    "SDPA mem-eff padded": lambda: None,
+    "FlexAttention": lambda: None if installed("torch.nn.attention.flex_attention")
+    else "needs torch.nn.attention.flex_attention (torch 2.5+)",
+    "xformers BlockDiagonalMask": _package("xformers"),
+    **{name: _package(module) for name, module in FLASH_ATTN_MODULES.items()},
+}
+
+
+def why_not_here(name: str) -> str | None:
+    """Why baseline ``name`` cannot run on this machine, or ``None`` where it may; cheap checks only, nothing runs.
+    Whether it takes a workload's inputs is known when the bench runs it."""
+    reasons = [r for r in (None if torch.cuda.is_available() else NEEDS_GPU, NEEDS[name]()) if r]
+    return "; ".join(reasons) or None
 
 
 # --- rotary workloads: rotary fused into attention, and projection + rotary + attention -----------------------------
@@ -305,6 +381,7 @@ def blockattn_attention(case: Case) -> Callable[..., torch.Tensor]:
 
 def fa2_attention(case: Case) -> Callable[..., torch.Tensor]:
     """Differentiable FlashAttention-2 (aten) with one boundary per block."""
+    require_fa2(case)
     cu, bs = case.cu_blocks, case.block_size
     return lambda q, k, v: torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, bs, bs, 0.0, False, False,
                                                                    scale=case.scale)[0]
@@ -317,7 +394,8 @@ def fused_rotary_runner(case: Case) -> Runner:
 
     runner = autograd_runner(forward, case.inputs, case.do)
     runner.bwd = lambda: torch.ops.blockattn.block_attention_bwd(
-        case.do, case.q, case.k, case.v, case.offsets, case.sinu_pos, *case.table, case.block_size, case.scale, 7
+        grad_out=case.do, q=case.q, k=case.k, v=case.v, offsets=case.offsets, sinu_pos=case.sinu_pos,
+        **case.table._asdict(), block_size=case.block_size, scale=case.scale, rotate=ROTATE_ALL,
     )
     return runner
 
@@ -331,10 +409,7 @@ def unfused_rotary_runner(attention, rotary) -> Callable[[Case], Runner]:
         def forward(q, k, v):
             return attend(*(rotary(t, case.sinu_pos) for t in (q, k, v)))
 
-        try:
-            return autograd_runner(forward, case.inputs, case.do)
-        except RuntimeError as error:
-            raise Unavailable(f"failed: {str(error).splitlines()[0]}") from None
+        return autograd_runner(forward, case.inputs, case.do)
 
     return make
 
@@ -361,10 +436,7 @@ def unfused_qkv_runner(attention) -> Callable[[Case], Runner]:
             heads = split_heads(torch.addmm(bias, x, w), hq, hkv)
             return attend(*(torch_rotary(t, case.sinu_pos) for t in heads))
 
-        try:
-            return autograd_runner(forward, case.projection, case.do)
-        except RuntimeError as error:
-            raise Unavailable(f"failed: {str(error).splitlines()[0]}") from None
+        return autograd_runner(forward, case.projection, case.do)
 
     return make
 

@@ -1,4 +1,4 @@
-"""Benchmark workloads of SPEC §3 and custom shapes."""
+"""Benchmark workloads: the presets (docs/semantics.md, "Workloads") and custom shapes."""
 
 from __future__ import annotations
 
@@ -45,14 +45,17 @@ class Workload:
 
 
 def lengths_for_sparsity(max_len: int, sparsity: float) -> tuple[int, int]:
-    """SPEC §3's "sparsity" is a density: mean length ``sparsity * max_len``.
+    """``[min_len, max_len)`` for a "sparsity", which is a density: mean length ``sparsity * max_len``
+    (docs/semantics.md, "Workloads").
 
     ``s >= 0.5``: lengths uniform in ``[(2s - 1) * max, max)`` (at least 1); ``s < 0.5``: in ``[1, 2s * max)``.
+    Where ``(2s - 1) * max`` rounds to ``max`` (``s = 1``) that range is empty, and every length is ``max``.
     """
     if not 0 < sparsity <= 1:
         raise ValueError(f"sparsity must be in (0, 1], got {sparsity}")
     if sparsity >= 0.5:
-        return max(1, round((2 * sparsity - 1) * max_len)), max_len
+        low = max(1, round((2 * sparsity - 1) * max_len))
+        return (low, max_len) if low < max_len else (max_len, max_len + 1)
     return 1, max(2, round(2 * sparsity * max_len))
 
 
