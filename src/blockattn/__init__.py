@@ -3,8 +3,9 @@
 ``blockattn.reference`` (import it by name) holds the float64 reference that tests and the bench compare with.
 """
 
+from . import nn
 from .attention import block_attention, qkv_block_attention
 from .rotary import apply_rotary
 
-__all__ = ["apply_rotary", "block_attention", "qkv_block_attention"]
+__all__ = ["apply_rotary", "block_attention", "nn", "qkv_block_attention"]
 __version__ = "0.1.0"

@@ -48,12 +48,29 @@ def float_tensor(name: str, t, ndim: int, layout: str) -> None:
         raise TypeError(f"{name} must be {_dtype_names(dtypes)} on {t.device.type}, got {t.dtype}")
 
 
-def _positive_int(name: str, value) -> None:
+def positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def attention(q, k, v, offsets, block_size, scale) -> None:
+def head_dim(d) -> None:
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM or d % 8 != 0:
+        raise ValueError(f"head_dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
+
+
+def block_size(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {value!r}")
+
+
+def finite_positive(name: str, value, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite positive float{' or None' if optional else ''}, got {value!r}")
+
+
+def attention(q, k, v, offsets, block, scale) -> None:
     """``q [N, Hq, D]``, ``k, v [N, Hkv, D]``, ``offsets [B + 1]`` and the options of block attention."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         float_tensor(name, t, 3, "[N, heads, head_dim]")
@@ -80,13 +97,9 @@ def attention(q, k, v, offsets, block_size, scale) -> None:
     hkv = k.shape[1]
     if hkv == 0 or hq == 0 or hq % hkv != 0:
         raise ValueError(f"q heads must be a positive multiple of k/v heads (GQA), got Hq={hq}, Hkv={hkv}")
-    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM or d % 8 != 0:
-        raise ValueError(f"head_dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not (math.isfinite(scale) and scale > 0)):
-        raise ValueError(f"scale must be a finite positive float or None, got {scale!r}")
+    head_dim(d)
+    block_size(block)
+    finite_positive("scale", scale, optional=True)
 
 
 def sinu_pos(angles, x: torch.Tensor, x_name: str) -> None:
@@ -160,8 +173,8 @@ def projection(x, w, bias, num_heads, num_kv_heads) -> None:
     """``x [N, d_model]``, ``w [d_model, (Hq + 2 Hkv) * D]``, ``bias`` and the head counts of the projection."""
     float_tensor("x", x, 2, "[N, d_model]")
     tensor("w", w)
-    _positive_int("num_heads", num_heads)
-    _positive_int("num_kv_heads", num_kv_heads)
+    positive_int("num_heads", num_heads)
+    positive_int("num_kv_heads", num_kv_heads)
     num_all = num_heads + 2 * num_kv_heads
     if w.dim() != 2 or w.shape[0] != x.shape[1] or w.shape[1] % num_all != 0:
         raise ValueError(f"w must be [d_model, (num_heads + 2 * num_kv_heads) * head_dim] = [{x.shape[1]}, "
