@@ -16,7 +16,9 @@ def sequence_ids(offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The sequence each of the ``num_tokens`` packed tokens belongs to, int64 ``[N]``; on the device, no host sync
     (length-0 sequences own no token)."""
     tokens = torch.arange(num_tokens, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets[1:], tokens, right=True)
+    # Not searchsorted(offsets[1:], ...): Inductor misreads a sliced boundary tensor (pytorch#182343). The clamp, a
+    # no-op for valid offsets, bounds the index for Inductor, which otherwise asserts on the GPU (pytorch#186536).
+    return (torch.searchsorted(offsets, tokens, right=True) - 1).clamp(0, offsets.shape[0] - 2)
 
 
 def positions_in_sequence(offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
