@@ -22,7 +22,7 @@ learns gets between the two.
     torchrun --nproc_per_node=2 examples/train_ranking.py --device cuda --dtype bfloat16      # DDP (NCCL)
     torchrun --nproc_per_node=2 examples/train_ranking.py --device cuda --dtype bfloat16 --fsdp   # FSDP2
     python examples/train_ranking.py ... --ckpt runs/a --save-every 50     # then --resume continues the same curve
-    python examples/train_ranking.py ... --export runs/ranker.pt2          # torch.export (+ AOTInductor on GPU)
+    python examples/train_ranking.py ... --export runs/ranker.pt2 [--aoti]  # torch.export (and AOTInductor)
 
 Under ``torchrun`` every rank builds its own shard of each global batch: the batch's sequences, sorted by length,
 are dealt to the rank with the fewest tokens so far (deterministic, the same on every rank), and the loss is
@@ -290,7 +290,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=2, help="held-out batches evaluated at the end")
     p.add_argument("--timing-warmup", type=int, default=3, help="steps left out of tokens/s (compilation, caches)")
     p.add_argument("--export", type=Path, default=None,
-                   help="torch.export the trained model to this .pt2 (on cuda also an AOTInductor package beside it)")
+                   help="torch.export the trained model to this .pt2")
+    p.add_argument("--aoti", action="store_true",
+                   help="with --export, also compile it with AOTInductor to a package beside it (see examples/README)")
     p.add_argument("--dump-grads", type=Path, default=None,
                    help="save the full gradients of the first step of this run to this file (rank 0), for tests")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -659,7 +661,7 @@ def _train(args, env: Dist) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Serving: torch.export with dynamic N and B, and AOTInductor on GPU
+# Serving: torch.export with dynamic N and B, and AOTInductor
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -678,8 +680,8 @@ def export_program(model: RankingModel, example: Batch):
 
 
 def export_model(state: dict, args, data: SyntheticAds, device: torch.device) -> dict:
-    """Export the model with weights ``state`` to ``args.export`` (and, on a GPU, compile it with AOTInductor beside
-    it); check both against eager on a batch of another size. Returns their max errors."""
+    """Export the model with weights ``state`` to ``args.export`` (and with ``args.aoti`` compile it with
+    AOTInductor beside it); check both against eager on batches of other sizes. Returns their max errors."""
     model = build_model(args, device)
     model.load_state_dict(state)
     model.eval()
@@ -694,7 +696,7 @@ def export_model(state: dict, args, data: SyntheticAds, device: torch.device) ->
               data.batch(EVAL_STEP0 + 2, torch.arange(1), data.lengths(EVAL_STEP0 + 2)[:1], device)]
     served = {"export": torch.export.load(args.export).module()}
     result = {"export_path": str(args.export)}
-    if device.type == "cuda":
+    if args.aoti:
         aoti_path = args.export.with_name(args.export.stem + "-aoti.pt2")
         torch._inductor.aoti_compile_and_package(program, package_path=str(aoti_path))
         served["aoti"] = torch._inductor.aoti_load_package(str(aoti_path))

