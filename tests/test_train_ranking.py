@@ -221,7 +221,10 @@ def test_gpu_cuda_graph_ranking_step():
             if isinstance(value, torch.Tensor):
                 getattr(static, name).copy_(value)
         graph.replay()
-        torch.testing.assert_close(static_loss, step(eager, eager_opt, batch), atol=1e-4, rtol=1e-3)
+        # Two copies trained side by side in bf16, with the pooling's index_add in atomics (any order): they drift
+        # by bf16 roundings (seen: 0.14% after four steps on an H200); a replay on stale inputs or weights would
+        # differ by the batches' loss spread, several percent.
+        torch.testing.assert_close(static_loss, step(eager, eager_opt, batch), atol=1e-3, rtol=1e-2)
 
 
 @requires_gpu
