@@ -117,6 +117,12 @@ def test_fsdp2_gradients_and_resume(tmp_path):
     assert resumed["start_step"] == 2 and resumed["losses"] == whole["losses"][2:]
 
 
+# Loading the AOTInductor package (aoti_load_package) crashed the process with torch 2.11, on the CPU and on the GPU
+# (H100 and H200, 2026-11-23); it works with torch 2.13.
+AOTI_LOADS = torch.__version__ >= (2, 13)
+
+
+@pytest.mark.skipif(not AOTI_LOADS, reason="aoti_load_package of this model crashes torch < 2.13")
 def test_export_and_aoti_through_the_example(tmp_path):
     """The example's --export --aoti after a short CPU run: the exported program and the AOTInductor package match
     eager on batches of other sizes (one sequence included)."""
@@ -168,7 +174,7 @@ def test_gpu_bf16_training_loss_falls(compile):
 @pytest.mark.gpu
 def test_gpu_resume_and_export(tmp_path):
     """On the GPU: resume continues the curve; torch.export matches eager on batches of other sizes. (Loading an
-    AOTInductor package of this model crashed the process on the GPU with torch 2.11: examples/README.md.)"""
+    AOTInductor package of this model crashed the process with torch 2.11: examples/README.md.)"""
     args = [*GPU_SMALL, "--device", "cuda", "--ckpt", tmp_path / "ckpt", "--eval-batches", "0"]
     whole = run(*args, "--steps", 4, "--save-every", 3)
     (tmp_path / "ckpt" / "latest").write_text("step-00000003")
