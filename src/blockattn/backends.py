@@ -109,10 +109,10 @@ class Backend:
         return tuple(p for p, fn in zip(PASSES, (self.forward, self.backward)) if fn is not None)
 
     def takes(self, call: AttentionCall) -> str | None:
-        """``why_not``, with the passes this backend has."""
-        if call.pass_name not in self.passes:
-            return f"has no {call.pass_name} kernel"
-        return self.why_not(call)
+        """``why_not``, then whether this backend has the call's pass."""
+        if reason := self.why_not(call):
+            return reason
+        return None if call.pass_name in self.passes else f"has no {call.pass_name} kernel"
 
 
 # In order of preference: the first that takes a call runs it.
