@@ -17,7 +17,7 @@ labels' base-rate entropy and the loss of the true click probabilities (the best
 learns gets between the two.
 
     python examples/train_ranking.py --device cpu --scale 0.05 --min-len 20 --max-len 200 --num-categories 4 \
-        --d-model 64 --heads 2 --head-dim 32 --steps 100                                        # a minute on a CPU
+        --d-model 64 --heads 2 --head-dim 32 --steps 100                                        # ~15 s on a CPU
     python examples/train_ranking.py --device cuda --dtype bfloat16 --steps 300              # ads preset, 1 GPU
     torchrun --nproc_per_node=2 examples/train_ranking.py --device cuda --dtype bfloat16      # DDP (NCCL)
     torchrun --nproc_per_node=2 examples/train_ranking.py --device cuda --dtype bfloat16 --fsdp   # FSDP2

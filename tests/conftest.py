@@ -125,10 +125,16 @@ def rounding_allowance(ref: torch.Tensor, dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps * (ref.abs().max().item() if ref.numel() else 0.0)
 
 
+def absolute_slack(dtype: torch.dtype) -> float:
+    """An absolute allowance on top of the 2x rule: 1e-5 for the kernels' dtypes (where fp32 sums in another order
+    differ at that level), 1e-12 for float64, whose "PyTorch's own error" is zero against the float64 reference."""
+    return 1e-12 if dtype == torch.float64 else 1e-5
+
+
 def assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, names=("out", "dq", "dk", "dv"),
                              sinu_pos=None, rotate=0):
     """Each result's max error vs float64 is at most 2x PyTorch's own in the inputs' precision, plus
-    :func:`rounding_allowance`."""
+    :func:`rounding_allowance` and :func:`absolute_slack`."""
     exact = reference_grads(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=rotate)
     same_precision = reference_grads(q, k, v, do, offsets, block_size, compute_dtype=q.dtype, sinu_pos=sinu_pos,
                                      rotate=rotate)
@@ -136,7 +142,7 @@ def assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, names=("
         assert got.shape == ref.shape, name
         assert torch.isfinite(got).all(), f"{name}: non-finite values (unwritten or NaN)"
         err, pt_err = max_err(got, ref), max_err(pt, ref)
-        bound = 2 * pt_err + rounding_allowance(ref, q.dtype) + 1e-5
+        bound = 2 * pt_err + rounding_allowance(ref, q.dtype) + absolute_slack(q.dtype)
         assert err <= bound, f"{name}: max error {err:.3e} > 2 x PyTorch's {pt_err:.3e} + one rounding"
 
 

@@ -102,7 +102,7 @@ def test_matches_linear_apply_rotary_block_attention():
 
 
 def test_rotary_angles():
-    """Positions restart at every sequence (length-0 ones included); angles as the issue defines them."""
+    """Positions restart at every sequence (length-0 ones included); angles p * base ** (-2i / D) of pair i."""
     lengths = [3, 0, 0, 70, 1, 0]
     offsets = make_offsets(lengths)
     n = sum(lengths)
@@ -242,6 +242,14 @@ def test_forward_validation():
         layer(torch.randn(4, 32, dtype=torch.float16), offsets)
     with pytest.raises(ValueError, match="offsets"):
         layer(torch.randn(4, 32), make_offsets([3]))
+    # Checked before the rotary angles are computed from them.
+    for bad, error, match in ((torch.tensor(4), ValueError, "offsets must be 1-D"),
+                              (torch.tensor([], dtype=torch.int32), ValueError, "offsets must be 1-D"),
+                              (make_offsets([4])[None], ValueError, "offsets must be 1-D"),
+                              (make_offsets([4]).float(), TypeError, "offsets must be int32 or int64"),
+                              (make_offsets([4]).to("meta"), ValueError, "offsets must be on the device of x")):
+        with pytest.raises(error, match=match):
+            layer(torch.randn(4, 32), bad)
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------------

@@ -70,22 +70,30 @@ def finite_positive(name: str, value, optional: bool = False) -> None:
         raise ValueError(f"{name} must be a finite positive float{' or None' if optional else ''}, got {value!r}")
 
 
-def attention(q, k, v, offsets, block, scale) -> None:
+def offsets(value, like: torch.Tensor | None = None, like_name: str = "") -> None:
+    """``offsets [B + 1]``, int32 or int64 (on the device of ``like`` when given); its values are checked where the
+    block table is built."""
+    tensor("offsets", value)
+    if value.dim() != 1 or value.numel() < 1:
+        raise ValueError(f"offsets must be 1-D [B + 1] with at least one element, got shape {tuple(value.shape)}")
+    if value.dtype not in OFFSET_DTYPES:
+        raise TypeError(f"offsets must be int32 or int64, got {value.dtype}")
+    if like is not None and value.device != like.device:
+        raise ValueError(f"offsets must be on the device of {like_name} ({like.device}), got {value.device}")
+
+
+def attention(q, k, v, offsets_, block, scale) -> None:
     """``q [N, Hq, D]``, ``k, v [N, Hkv, D]``, ``offsets [B + 1]`` and the options of block attention."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         float_tensor(name, t, 3, "[N, heads, head_dim]")
-    tensor("offsets", offsets)
+    offsets(offsets_)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"offsets must be 1-D [B + 1] with at least one element, got shape {tuple(offsets.shape)}")
-    if offsets.dtype not in OFFSET_DTYPES:
-        raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
-    if len({t.device for t in (q, k, v, offsets)}) != 1:
+    if len({t.device for t in (q, k, v, offsets_)}) != 1:
         raise ValueError(f"q, k, v and offsets must be on one device, got q {q.device}, k {k.device}, v {v.device}, "
-                         f"offsets {offsets.device}")
+                         f"offsets {offsets_.device}")
     n, hq, d = q.shape
-    if offsets.numel() == 1 and n != 0:
+    if offsets_.numel() == 1 and n != 0:
         # Decidable from shapes alone, and the kernels need at least one sequence to look blocks up in.
         raise ValueError(f"offsets describes no sequence (B = 0) but q has N = {n} tokens; expected offsets[-1] == N")
     if k.shape != v.shape:

@@ -129,7 +129,7 @@ class BlockSelfAttention(nn.Module):
         checks.float_tensor("x", x, 2, "[N, d_model]")
         if x.shape[1] != self.d_model:
             raise ValueError(f"x must be [N, d_model={self.d_model}], got {tuple(x.shape)}")
-        checks.tensor("offsets", offsets)
+        checks.offsets(offsets, x, "x")  # before the angles are computed from it
         w, bias = self.qkv.weight, self.qkv.bias
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)

@@ -268,7 +268,7 @@ def _time_group(report: Report, w: Workload, case: Case, group: str, factories: 
             if floor is not None:
                 row.update(floor_ms=floor[p] / tbps * 1e3, x_floor=ms / (floor[p] / tbps * 1e3),
                            floor_tbps=floor[p] / (ms * 1e-3) / 1e12)
-            if group == "rotary":  # the yardstick: the attention-only floor
+            if group == "rotary":  # also against the attention-only floor: the fused rotary's bytes are extra work
                 row["x_attention_floor"] = ms / (floor_bytes(w, case.q.shape[0])[p] / tbps * 1e3)
             rows.append(row)
     for row in rows:
