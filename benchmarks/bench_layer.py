@@ -7,7 +7,7 @@ same layer built from ``nn.Linear`` + a PyTorch rotary + FlashAttention-2 varlen
 Every row is one forward + backward to the gradients of the input and of every weight and bias
 (``torch.autograd.grad``), timed by ``triton.testing.do_bench`` (median). Rows:
 
-- ``layer``: the module with bf16 parameters; ``layer (autocast)``: fp32 parameters under bf16 autocast (how the
+- ``layer``: the module with bf16 parameters; ``layer (fp32 params, autocast)``: fp32 parameters under bf16 autocast (how the
   example trains: the casts of the weights count).
 - the parts, each alone: the angles (``rotary_sinu_pos``), the qkv projection GEMM ``x @ w_qkv + b``,
   ``block_attention`` with the fused rotary on separate ``q, k, v``, and the output projection GEMM. Their sum is
@@ -51,7 +51,7 @@ def block_boundaries(offsets: torch.Tensor, num_tokens: int, block_size: int) ->
 
 class UnfusedLayer(nn.Module):
     """``nn.Linear`` -> split heads -> PyTorch rotary on q, k -> FlashAttention-2 varlen per block -> ``nn.Linear``;
-    its state dict is the layer's."""
+    it holds the layer's own ``qkv`` and ``out`` (the same weights)."""
 
     def __init__(self, layer: BlockSelfAttention, cu_blocks: torch.Tensor):
         super().__init__()

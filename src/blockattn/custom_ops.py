@@ -1,8 +1,9 @@
 """``torch.library`` custom ops: autograd, fake (meta) implementations and FLOP formulas, around the dispatcher.
 
 The ops are opaque to ``torch.compile`` (one node each, no graph break) and their fake implementations give the
-output metadata without running anything (``torch.compile``, meta tensors). Each op asks ``backends.select`` which
-backend runs it. The forwards also return the block table they built, so that the backwards reuse it instead of
+output metadata without running anything (``torch.compile``, meta tensors). Each attention op asks
+``backends.select`` which backend runs it; the rotary op runs its Triton kernel where ``devices.kernels_run_on``
+says the kernels run, else PyTorch. The forwards also return the block table they built, so that the backwards reuse it instead of
 building it again.
 
 Three families: ``rotary`` (``apply_rotary``), ``block_attention_*`` on separate ``q, k, v`` and
@@ -60,9 +61,14 @@ def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[t
     return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
 
 
+def _rotate_mask(sinu_pos, rotate: int) -> int:
+    """Nothing is rotated without angles: the launchers may then take ``rotate`` at its word."""
+    return rotate if sinu_pos is not None else ROTATE_NONE
+
+
 def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate):
     """``(out, *table)``: the block table, then the forward by the backend the dispatcher picks."""
-    rotate = rotate if sinu_pos is not None else ROTATE_NONE
+    rotate = _rotate_mask(sinu_pos, rotate)
     backend = backends.select(AttentionCall.of("fwd", q, k, block_size, rotate))
     table = build_block_table(offsets, q.shape[0], block_size)
     return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate), *table
@@ -70,7 +76,7 @@ def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate):
 
 def _backward(grad_out, q, k, v, offsets, sinu_pos, table, block_size, scale, rotate, grads):
     """Write ``(dq, dk, dv)`` into ``grads`` by the backend the dispatcher picks; returns ``grads``."""
-    rotate = rotate if sinu_pos is not None else ROTATE_NONE
+    rotate = _rotate_mask(sinu_pos, rotate)
     call = AttentionCall.of("bwd", q, k, block_size, rotate, tensors=(q, k, v, grad_out), grads=grads)
     backends.select(call).backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, grads)
     return grads
