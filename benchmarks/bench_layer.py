@@ -7,8 +7,8 @@ same layer built from ``nn.Linear`` + a PyTorch rotary + FlashAttention-2 varlen
 Every row is one forward + backward to the gradients of the input and of every weight and bias
 (``torch.autograd.grad``), timed by ``triton.testing.do_bench`` (median). Rows:
 
-- ``layer``: the module with bf16 parameters; ``layer (fp32 params, autocast)``: fp32 parameters under bf16 autocast (how the
-  example trains: the casts of the weights count).
+- ``layer``: the module with bf16 parameters; ``layer (fp32 params, autocast)``: fp32 parameters under bf16
+  autocast (how the example trains: the casts of the weights count).
 - the parts, each alone: the angles (``rotary_sinu_pos``), the qkv projection GEMM ``x @ w_qkv + b``,
   ``block_attention`` with the fused rotary on separate ``q, k, v``, and the output projection GEMM. Their sum is
   what the layer would cost if it were nothing but its parts; the layer reads q, k, v out of the packed projection

@@ -3,8 +3,8 @@
 The ops are opaque to ``torch.compile`` (one node each, no graph break) and their fake implementations give the
 output metadata without running anything (``torch.compile``, meta tensors). Each attention op asks
 ``backends.select`` which backend runs it; the rotary op runs its Triton kernel where ``devices.kernels_run_on``
-says the kernels run, else PyTorch. The forwards also return the block table they built, so that the backwards reuse it instead of
-building it again.
+says the kernels run, else PyTorch. The forwards also return the block table they built, so that the backwards
+reuse it instead of building it again.
 
 Three families: ``rotary`` (``apply_rotary``), ``block_attention_*`` on separate ``q, k, v`` and
 ``qkv_block_attention_*`` on one packed ``[N, (Hq + 2 Hkv) * D]`` projection, whose backward writes the packed
