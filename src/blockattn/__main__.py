@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from . import checks
 from .bench import harness
 from .bench.baselines import BASELINES
 from .bench.presets import CPU_DEMO, PRESETS, Workload, lengths_for_sparsity
@@ -43,9 +44,12 @@ def at_least(low: int):
 
 
 def head_dim(text: str) -> int:
+    """An argparse ``type``: a head dim the kernels take (``checks.head_dim``)."""
     value = at_least(1)(text)
-    if not (MIN_HEAD_DIM <= value <= MAX_HEAD_DIM and value % 8 == 0):
-        raise argparse.ArgumentTypeError(f"must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {value}")
+    try:
+        checks.head_dim(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("head_dim ")) from None
     return value
 
 
