@@ -164,7 +164,8 @@ def capture_cuda_graph(step):
 def poisoned_outputs(monkeypatch):
     """Kernel outputs start as NaN, so any element a kernel fails to write shows up."""
 
-    def new_output(like):
-        return torch.full_like(like, float("nan"))
+    def new_output(like, shape=None, dtype=None):
+        return torch.full(like.shape if shape is None else shape, float("nan"), dtype=dtype or like.dtype,
+                          device=like.device)
 
     monkeypatch.setattr(tiles, "new_output", new_output)

@@ -1,11 +1,14 @@
-"""blockattn: block-diagonal attention on jagged sequences, as GPU kernels (Triton) with a PyTorch CPU path.
+"""blockattn: block-diagonal attention on jagged sequences, and flash attention on whole sequences (dense and
+varlen, fp8 included), as GPU kernels (Triton) with a PyTorch CPU path.
 
 ``blockattn.reference`` (import it by name) holds the float64 reference that tests and the bench compare with.
 """
 
 from . import nn
 from .attention import block_attention, qkv_block_attention
+from .flash import flash_attention, flash_attention_varlen
 from .rotary import apply_rotary
 
-__all__ = ["apply_rotary", "block_attention", "nn", "qkv_block_attention"]
+__all__ = ["apply_rotary", "block_attention", "flash_attention", "flash_attention_varlen", "nn",
+           "qkv_block_attention"]
 __version__ = "0.1.0"

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from . import devices
-from .checks import BLOCK_SIZES, KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
+from .checks import BLOCK_SIZES, FP8_DTYPE, KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from .ops import block_attention as triton_ops
 from .ops import block_attention_torch as torch_ops
+from .ops import flash_attention as flash_ops
+from .ops import flash_attention_torch as flash_torch_ops
 
 try:
     from .ops import block_attention_sm90 as sm90_ops
@@ -131,13 +133,146 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
-def select(call: AttentionCall) -> Backend:
-    """The backend that runs ``call``: the first in :data:`BACKENDS` that takes it."""
+def select(call, backends: dict[str, Backend] | None = None) -> Backend:
+    """The backend that runs ``call``: the first in ``backends`` (:data:`BACKENDS` by default) that takes it."""
     reasons = []
-    for backend in BACKENDS.values():
+    for backend in (BACKENDS if backends is None else backends).values():
         reason = backend.takes(call)
         if reason is None:
             return backend
         reasons.append(f"{backend.name}: {reason}")
     raise ValueError(f"no backend takes {call}: " + "; ".join(reasons))
 
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Flash attention (whole sequences): one forward launcher per backend,
+# ``forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal, bottom_right, out_dtype, descales, config)
+# -> (out, lse)``, where ``config`` is what ``FlashCall.config`` chose (None for the PyTorch path).
+# --------------------------------------------------------------------------------------------------------------------
+
+FLASH_KERNEL_DTYPES = (torch.float16, torch.bfloat16, FP8_DTYPE)
+# fp8 tensor cores: Ada (8.9) and later.
+FP8_CAPABILITY = (8, 9)
+# TMA and the warp-specialised loop: Hopper and later.
+TMA_CAPABILITY = (9, 0)
+
+
+def tma_rows_ready(t: torch.Tensor) -> bool:
+    """Heads side by side in a row (``[.., tokens, H * D]``), the start and every stride 16-byte aligned: what the
+    TMA kernel's 2-D descriptors need."""
+    elem = t.element_size()
+    heads, d = t.shape[-2:]
+    return (t.stride(-1) == 1 and (heads == 1 or t.stride(-2) == d) and t.data_ptr() % 16 == 0
+            and all(s * elem % 16 == 0 for s in t.stride()[:-2]))
+
+
+@dataclass(frozen=True)
+class FlashCall:
+    """A flash-attention call's metadata; ``config`` is the kernel configuration the device can hold (None where
+    none fits or no kernel runs), ``config_reason`` why not."""
+
+    pass_name: str
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    variant: str
+    causal: bool
+    tma_ready: bool
+    last_dim_contiguous: bool
+    config: flash_ops.FlashConfig | None = None
+    config_reason: str | None = None
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, causal: bool) -> FlashCall:
+        # fp8 v is read from a transposed copy the launcher makes.
+        tma = (q, k) if q.dtype == FP8_DTYPE else (q, k, v)
+        return cls("fwd", q.device, q.dtype, q.shape[-1], variant, causal, all(tma_rows_ready(t) for t in tma),
+                   all(t.stride(-1) == 1 for t in (q, k, v)))
+
+    def with_config(self, kernel_variant: str) -> FlashCall:
+        """This call with the tuned configuration of ``kernel_variant`` on its device (or why none fits)."""
+        cfg, reason = flash_ops.flash_config(kernel_variant, devices.capability(self.device), self.head_dim,
+                                             self.dtype == FP8_DTYPE, flash_ops.shared_memory_limit(self.device))
+        return FlashCall(**{**self.__dict__, "config": cfg, "config_reason": reason})
+
+
+def _flash_kernel_why_not(call: FlashCall, kernel_variant: str) -> str | None:
+    if call.variant not in ("auto", kernel_variant):
+        return f"variant={call.variant!r} was asked for"
+    if reason := devices.kernels_reason(call.device):
+        return reason
+    if call.dtype not in FLASH_KERNEL_DTYPES:
+        return f"takes float16, bfloat16 and float8_e4m3fn, not {call.dtype}"
+    capability = devices.capability(call.device)
+    if call.dtype == FP8_DTYPE and capability < FP8_CAPABILITY:
+        return (f"float8_e4m3fn needs fp8 tensor cores (compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+), "
+                f"this GPU has {capability[0]}.{capability[1]}")
+    if not call.last_dim_contiguous:
+        return "needs q, k, v with a contiguous last dimension"
+    return None
+
+
+def _flash_pipelined_why_not(call: FlashCall) -> str | None:
+    return _flash_kernel_why_not(call, "pipelined") or call.with_config("pipelined").config_reason
+
+
+def _flash_tma_why_not(call: FlashCall) -> str | None:
+    if reason := _flash_kernel_why_not(call, "warp_specialized"):
+        return reason
+    if devices.capability(call.device) < TMA_CAPABILITY:
+        return "needs TMA (Hopper, compute capability 9.0+)"
+    if reason := tma_head_dim_reason(call.head_dim):
+        return reason
+    if call.variant == "auto" and call.head_dim not in TMA_AUTO_HEAD_DIMS:
+        return f"the pipelined kernel is faster at head dim {call.head_dim} (variant='auto')"
+    if not call.tma_ready:
+        return "needs q, k, v with heads side by side in a row and 16-byte aligned starts and strides (TMA)"
+    return call.with_config("warp_specialized").config_reason
+
+
+# The TMA kernel's tiles are whole heads; these compiled and ran correctly on an H100 with triton 3.6 (others
+# failed in Triton's Hopper warp-specialisation pass or at run time).
+TMA_HEAD_DIMS = (64, 128)
+# Where variant="auto" takes the TMA kernel: it beat the pipelined one at D = 128 only (H100, docs/benchmarks.md).
+TMA_AUTO_HEAD_DIMS = (128,)
+
+
+def tma_head_dim_reason(head_dim: int) -> str | None:
+    if head_dim not in TMA_HEAD_DIMS:
+        return f"takes head dims {TMA_HEAD_DIMS}, not {head_dim}"
+    return None
+
+
+def _flash_torch_why_not(call: FlashCall) -> str | None:
+    if devices.kernels_run_on(call.device):
+        return "the kernels serve this GPU (the PyTorch path runs where they do not)"
+    return None
+
+
+def _flash_forward(kernel_variant: str) -> Callable:
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal, bottom_right, out_dtype, descales,
+                config):
+        return flash_ops.flash_attention_fwd_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal,
+                                                    bottom_right, out_dtype, descales, kernel_variant, config)
+    return forward
+
+
+def _flash_torch_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal, bottom_right, out_dtype,
+                         descales, config):
+    return flash_torch_ops.flash_attention_fwd_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal,
+                                                     bottom_right, out_dtype, descales)
+
+
+# In order of preference for variant="auto".
+FLASH_BACKENDS: dict[str, Backend] = {
+    backend.name: backend
+    for backend in (
+        Backend("warp_specialized", "Triton, TMA descriptors and a warp-specialised key/value loop (Hopper on)",
+                _flash_tma_why_not, forward=_flash_forward("warp_specialized")),
+        Backend("pipelined", "Triton, pointer loads software-pipelined (NVIDIA GPUs from Ampere on)",
+                _flash_pipelined_why_not, forward=_flash_forward("pipelined")),
+        Backend("torch", "PyTorch ops sequence by sequence (the CPU path; the fallback on other devices)",
+                _flash_torch_why_not, forward=_flash_torch_forward),
+    )
+}

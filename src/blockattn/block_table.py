@@ -36,10 +36,11 @@ def max_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
 
 
 @triton.jit
-def _block_scan_kernel(offsets_ptr, block_cum_ptr, ok_ptr, num_seqs, num_tokens,
+def _block_scan_kernel(offsets_ptr, block_cum_ptr, ok_ptr, num_seqs, num_tokens, max_len,
                        BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
     """One program: ``block_cum`` = inclusive prefix sum of ``ceil(len_b / BS)``, and whether the offsets are valid
-    (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``): one launch instead of a dozen small ones."""
+    (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``, no length above ``max_len``): one launch instead of
+    a dozen small ones."""
     ok = (tl.load(offsets_ptr) == 0) & (tl.load(offsets_ptr + num_seqs) == num_tokens)
     carry = tl.zeros((), dtype=tl.int32)
     for first in range(0, num_seqs, CHUNK):
@@ -47,57 +48,79 @@ def _block_scan_kernel(offsets_ptr, block_cum_ptr, ok_ptr, num_seqs, num_tokens,
         in_range = idx < num_seqs
         length = (tl.load(offsets_ptr + idx + 1, mask=in_range, other=0)
                   - tl.load(offsets_ptr + idx, mask=in_range, other=0)).to(tl.int32)
-        ok = ok & (tl.min(length, axis=0) >= 0)
+        ok = ok & (tl.min(length, axis=0) >= 0) & (tl.max(length, axis=0) <= max_len)
         nblocks = tl.where(in_range, (length + BLOCK_SIZE - 1) // BLOCK_SIZE, 0)
         tl.store(block_cum_ptr + idx, tl.cumsum(nblocks, axis=0) + carry, mask=in_range)
         carry += tl.sum(nblocks, axis=0)
     tl.store(ok_ptr, ok)
 
 
-def scan_blocks(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def scan_blocks(offsets: torch.Tensor, num_tokens: int, block_size: int,
+                max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(block_cum, ok)`` by the one-launch scan kernel; ``ok`` (a bool scalar) says whether the offsets are valid."""
     num_seqs = offsets.numel() - 1
     block_cum = torch.empty(num_seqs, dtype=torch.int32, device=offsets.device)
     ok = torch.empty((), dtype=torch.bool, device=offsets.device)
     _block_scan_kernel[(1,)](offsets_ptr=offsets, block_cum_ptr=block_cum, ok_ptr=ok, num_seqs=num_seqs,
-                             num_tokens=num_tokens, BLOCK_SIZE=block_size, CHUNK=1024)
+                             num_tokens=num_tokens, max_len=num_tokens if max_len is None else max_len,
+                             BLOCK_SIZE=block_size, CHUNK=1024)
     return block_cum, ok
 
 
-def _check_offsets_on_host(offsets: torch.Tensor, num_tokens: int) -> None:
+def _check_offsets_on_host(offsets: torch.Tensor, num_tokens: int, max_len: int | None, name: str) -> None:
     if int(offsets[0]) != 0:
-        raise ValueError(f"offsets[0] must be 0, got {int(offsets[0])}")
-    if not bool((offsets[1:] >= offsets[:-1]).all()):
-        raise ValueError("offsets must be non-decreasing (sequence lengths >= 0)")
+        raise ValueError(f"{name}[0] must be 0, got {int(offsets[0])}")
+    lengths = offsets[1:] - offsets[:-1]
+    if not bool((lengths >= 0).all()):
+        raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0)")
     if int(offsets[-1]) != num_tokens:
-        raise ValueError(f"offsets[-1] must equal the number of tokens N={num_tokens}, got {int(offsets[-1])}")
+        raise ValueError(f"{name}[-1] must equal the number of tokens N={num_tokens}, got {int(offsets[-1])}")
+    if max_len is not None and lengths.numel() and int(lengths.max()) > max_len:
+        raise ValueError(f"a sequence of {name} has {int(lengths.max())} tokens, more than the max_seqlen hint "
+                         f"{max_len}")
 
 
 def _blocks_per_seq(lengths: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.div(lengths + (block_size - 1), block_size, rounding_mode="floor")
 
 
-def build_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int) -> BlockTable:
+def _checked_block_cum(offsets: torch.Tensor, num_tokens: int, block_size: int, max_len: int | None,
+                       name: str) -> torch.Tensor:
+    """``block_cum`` of ``offsets``, whose values are checked (see :func:`build_block_table`)."""
+    if offsets.device.type == "cpu":
+        _check_offsets_on_host(offsets, num_tokens, max_len, name)
+        return torch.cumsum(_blocks_per_seq(offsets[1:] - offsets[:-1], block_size), 0, dtype=torch.int32)
+    if kernels_run_on(offsets.device):
+        block_cum, ok = scan_blocks(offsets, num_tokens, block_size, max_len)
+    else:
+        lengths = offsets[1:] - offsets[:-1]
+        block_cum = torch.cumsum(_blocks_per_seq(lengths, block_size), 0, dtype=torch.int32)
+        ok = (offsets[0] == 0) & (offsets[-1] == num_tokens) & (lengths >= 0).all()
+        if max_len is not None:
+            ok = ok & (lengths <= max_len).all()
+    torch._assert_async(ok, f"blockattn: {name} must start at 0, be non-decreasing and end at N"
+                        + ("" if max_len is None else f", with no sequence above the max_seqlen hint {max_len}"))
+    return block_cum
+
+
+def check_offsets(offsets: torch.Tensor, num_tokens: int, max_len: int | None = None, name: str = "offsets") -> None:
+    """The checks of :func:`build_block_table` alone, for cumulative lengths that need no table."""
+    _checked_block_cum(offsets, num_tokens, 1, max_len, name)
+
+
+def build_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int, max_len: int | None = None,
+                      name: str = "offsets") -> BlockTable:
     """Check the values of ``offsets`` and build the block table, without a host synchronisation on a GPU.
 
     Checks: ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``. On the CPU a ``ValueError`` says what is
     wrong. On a GPU reading the values would stall the host, so the check is a device-side assertion instead: it
     fails the next synchronising call with "device-side assert triggered". The kernels clamp every block to
     ``[0, N)`` meanwhile, so bad offsets never cause an out-of-bounds access. On a GPU that runs the Triton kernels
-    one launch builds the prefix sum and the check; on other GPUs PyTorch ops do.
+    one launch builds the prefix sum and the check; on other GPUs PyTorch ops do. ``max_len``, when given, bounds
+    every sequence's length too; ``name`` is the argument the messages name.
     """
     num_seqs = offsets.numel() - 1
-    if offsets.device.type == "cpu":
-        _check_offsets_on_host(offsets, num_tokens)
-        block_cum = torch.cumsum(_blocks_per_seq(offsets[1:] - offsets[:-1], block_size), 0, dtype=torch.int32)
-    else:
-        if kernels_run_on(offsets.device):
-            block_cum, ok = scan_blocks(offsets, num_tokens, block_size)
-        else:
-            lengths = offsets[1:] - offsets[:-1]
-            block_cum = torch.cumsum(_blocks_per_seq(lengths, block_size), 0, dtype=torch.int32)
-            ok = (offsets[0] == 0) & (offsets[-1] == num_tokens) & (lengths >= 0).all()
-        torch._assert_async(ok, "blockattn: offsets must start at 0, be non-decreasing and end at N")
+    block_cum = _checked_block_cum(offsets, num_tokens, block_size, max_len, name)
     slots = torch.arange(max_blocks(num_tokens, num_seqs, block_size), device=offsets.device, dtype=torch.int32)
     return BlockTable(block_cum, torch.searchsorted(block_cum, slots, right=True, out_int32=True))
 

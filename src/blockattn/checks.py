@@ -22,6 +22,13 @@ MAX_ROTARY_DIM = 512
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT64_DEVICES = ("cpu", "meta")
 OFFSET_DTYPES = (torch.int32, torch.int64)
+FP8_DTYPE = torch.float8_e4m3fn
+# Flash attention: the kernels take fp16, bf16 and fp8; the PyTorch path (devices the kernels do not serve) fp32 and
+# float64 too. Outputs of fp8 inputs are 16-bit or fp32.
+FLASH_DTYPES = (torch.float16, torch.bfloat16, FP8_DTYPE, torch.float32)
+FLASH_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+FLASH_VARIANTS = ("auto", "pipelined", "warp_specialized")
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -207,3 +214,95 @@ def rotary_input(x, angles) -> None:
         raise ValueError(f"head_dim must be even (pairs of columns turn together) and in [2, {MAX_ROTARY_DIM}], "
                          f"got {x.shape[-1]}")
     sinu_pos(angles, x, "x")
+
+
+def _choice(name: str, value, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _descales(q_dtype: torch.dtype, device: torch.device, descales) -> None:
+    """fp8 inputs need the three descales (1-element float32 tensors on the inputs' device); others take none."""
+    names = ("q_descale", "k_descale", "v_descale")
+    if q_dtype != FP8_DTYPE:
+        given = [name for name, t in zip(names, descales) if t is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to float8_e4m3fn inputs only; q, k, v are {q_dtype}")
+        return
+    for name, t in zip(names, descales):
+        if t is None:
+            raise ValueError(f"{name} is required with float8_e4m3fn inputs (a 1-element float32 tensor: the "
+                             "dequantised input is the fp8 tensor times it)")
+        tensor(name, t)
+        if t.numel() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be a 1-element float32 tensor, got {_describe(t)}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
+
+
+def flash(q, k, v, *, packed: bool, causal, causal_alignment, scale, return_lse, out_dtype, descales,
+          variant) -> None:
+    """``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (``packed``: ``[N, H, D]``) and the options of flash
+    attention."""
+    layout = "[N, heads, head_dim]" if packed else "[batch, seq, heads, head_dim]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        tensor(name, t)
+        if t.dim() != (3 if packed else 4):
+            raise ValueError(f"{name} must be {3 if packed else 4}-D {layout}, got shape {tuple(t.shape)}")
+        dtypes = FLASH_DTYPES + ((torch.float64,) if t.device.type in FLOAT64_DEVICES else ())
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must be {_dtype_names(dtypes)}, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if len({t.device for t in (q, k, v)}) != 1:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {_describe(k)} and v {_describe(v)}")
+    if not packed and k.shape[0] != q.shape[0]:
+        raise ValueError(f"q, k and v must have the same batch size, got q {q.shape[0]} and k/v {k.shape[0]}")
+    hq, d = q.shape[-2:]
+    hkv = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"q, k and v must have the same head_dim, got q {d} and k/v {k.shape[-1]}")
+    if hkv == 0 or hq == 0 or hq % hkv != 0:
+        raise ValueError(f"q heads must be a positive multiple of k/v heads (GQA), got Hq={hq}, Hkv={hkv}")
+    head_dim(d)
+    _flag("causal", causal)
+    _choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
+    finite_positive("scale", scale, optional=True)
+    _flag("return_lse", return_lse)
+    if out_dtype is not None:
+        if not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"out_dtype must be a torch.dtype or None, got {type(out_dtype).__name__}")
+        allowed = FLASH_OUT_DTYPES + ((torch.float64,) if q.device.type in FLOAT64_DEVICES else ())
+        if out_dtype not in allowed:
+            raise ValueError(f"out_dtype must be {_dtype_names(allowed)} or None, got {out_dtype}")
+    _descales(q.dtype, q.device, descales)
+    _choice("variant", variant, FLASH_VARIANTS)
+
+
+def cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> None:
+    """``cu_seqlens_q``, ``cu_seqlens_k`` (``[B + 1]``, int32/int64, on the device of ``q``, of one length) and the
+    optional ``max_seqlen`` hints; the values are checked where the block table is built."""
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        tensor(name, cu)
+        if cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"{name} must be 1-D [B + 1] with at least one element, got shape {tuple(cu.shape)}")
+        if cu.dtype not in OFFSET_DTYPES:
+            raise TypeError(f"{name} must be int32 or int64, got {cu.dtype}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {cu.device}")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length B + 1, got {cu_q.numel()} and "
+                         f"{cu_k.numel()}")
+    if cu_q.numel() == 1 and (q.shape[0] or k.shape[0]):
+        raise ValueError(f"cu_seqlens_q describes no sequence (B = 0) but q has {q.shape[0]} and k {k.shape[0]} "
+                         "tokens")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")

@@ -17,8 +17,8 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from . import backends
-from .backends import AttentionCall
-from .block_table import BlockTable, build_block_table, empty_block_table
+from .backends import FLASH_BACKENDS, AttentionCall, FlashCall
+from .block_table import BlockTable, build_block_table, check_offsets, empty_block_table
 from .devices import kernels_run_on
 from .ops import tiles
 from .ops.block_attention_torch import rotary_torch
@@ -216,3 +216,57 @@ def _qkv_bwd_flops(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_h
                    *args, **kwargs) -> int:
     head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
     return _attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, matmuls=5)
+
+
+@torch.library.custom_op("blockattn::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int | None, max_seqlen_k: int | None, scale: float, causal: bool,
+    bottom_right: bool, out_dtype: torch.dtype, q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None, variant: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of dense ``[B, S, H, D]`` inputs (``cu_seqlens_q`` None; ``lse [B, H, Sq]``) or packed
+    ``[N, H, D]`` ones (``lse [H, Nq]``), by the backend the dispatcher picks for ``variant``. Forward only."""
+    call = FlashCall.of(q, k, v, variant, causal)
+    backend = backends.select(call, FLASH_BACKENDS)
+    config = None if backend.name == "torch" else call.with_config(backend.name).config
+    table = None
+    if cu_seqlens_q is not None:
+        check_offsets(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+        if config is None:
+            check_offsets(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+        else:
+            table = build_block_table(cu_seqlens_q, q.shape[0], config.block_m, max_seqlen_q, "cu_seqlens_q")
+            if max_seqlen_q is not None:  # a tighter grid: at most ceil(max_seqlen_q / BLOCK_M) tiles per sequence
+                slots = (cu_seqlens_q.numel() - 1) * -(-max_seqlen_q // config.block_m)
+                table = BlockTable(table.block_cum, table.block_seq[:slots])
+    descales = None if q_descale is None else (q_descale, k_descale, v_descale)
+    return backend.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal, bottom_right, out_dtype,
+                           descales, config)
+
+
+@flash_attention_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, bottom_right, out_dtype,
+      q_descale, k_descale, v_descale, variant):
+    out = q.new_empty(q.shape, dtype=out_dtype)
+    if cu_seqlens_q is None:
+        return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def attended_pairs(q, k, cu_seqlens_q, cu_seqlens_k) -> int:
+    """``sum over sequences of Sq * Sk`` (an upper bound on fake tensors)."""
+    if cu_seqlens_q is None:
+        return q.shape[0] * q.shape[1] * k.shape[1]
+    if isinstance(cu_seqlens_q, torch._subclasses.FakeTensor) or cu_seqlens_q.device.type == "meta":
+        return q.shape[0] * k.shape[0]
+    return int(((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long() * (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()).sum())
+
+
+@register_flop_formula(torch.ops.blockattn.flash_attention_fwd, get_raw=True)
+def _flash_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, *args,
+                 **kwargs) -> int:
+    # 4 Sq Sk D H per sequence (two products), half of it under a causal mask: the convention of FlashAttention's
+    # benchmarks, which TFLOP/s figures are compared with.
+    flops = 4 * attended_pairs(q, k, cu_seqlens_q, cu_seqlens_k) * q.shape[-1] * q.shape[-2]
+    return flops // 2 if causal else flops

@@ -43,6 +43,44 @@ def block_attention_reference(
     return torch.cat(pieces, dim=0)
 
 
+def flash_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    causal: bool = False,
+    bottom_right: bool = False,
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over whole sequences of packed ``q [Nq, Hq, D]``, ``k, v [Nk, Hkv, D]`` (docs/semantics.md, "Flash
+    attention"): ``(out [Nq, Hq, D], lse [Hq, Nq])`` in ``compute_dtype``. Under ``causal`` query ``i`` sees keys
+    ``j <= i`` (top-left) or ``j <= i + Sk - Sq`` (``bottom_right``); a row that sees no key gives 0 and ``-inf``."""
+    hq, d = q.shape[1:]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    group = hq // k.shape[1]
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    out = q.new_zeros(q.shape)
+    lse = q.new_full((hq, q.shape[0]), float("-inf"))
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        qs = q[q0:q1].transpose(0, 1)
+        ks, vs = (t[k0:k1].transpose(0, 1).repeat_interleave(group, dim=0) for t in (k, v))
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        if causal:
+            shift = (k1 - k0) - (q1 - q0) if bottom_right else 0
+            i = torch.arange(q1 - q0, device=q.device)[:, None]
+            j = torch.arange(k1 - k0, device=q.device)[None, :]
+            scores = scores.masked_fill(j > i + shift, float("-inf"))
+        seen = (scores > float("-inf")).any(-1, keepdim=True)
+        probs = torch.where(seen, torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1), 0.0)
+        out[q0:q1] = (probs @ vs).transpose(0, 1)
+        lse[:, q0:q1] = torch.logsumexp(scores, dim=-1)
+    return out, lse
+
+
 def rotary_reference(
     x: torch.Tensor,
     sinu_pos: torch.Tensor,

@@ -66,7 +66,7 @@ def load_or_zero(ptrs, mask):
     if mask is None:
         values = tl.load(ptrs)
     else:
-        values = tl.load(ptrs, mask=mask, other=0)
+        values = tl.load(ptrs, mask=mask, other=0.0)  # a float: an int 0 cannot become fp8
     return values
 
 
@@ -117,6 +117,8 @@ def rotary_operand(sinu_pos: torch.Tensor | None, like: torch.Tensor) -> tuple:
     return sinu_pos, *sinu_pos.stride()
 
 
-def new_output(like: torch.Tensor) -> torch.Tensor:
-    """Allocation of every kernel output (one place, so tests can poison it: callers go through the module)."""
-    return torch.empty_like(like)
+def new_output(like: torch.Tensor, shape: tuple[int, ...] | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Allocation of every kernel output, like ``like`` or with another ``shape``/``dtype`` (one place, so tests can
+    poison it: callers go through the module)."""
+    return torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)

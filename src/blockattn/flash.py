@@ -1,0 +1,128 @@
+"""The public flash-attention functions (whole sequences, dense and varlen): argument handling around the custom op."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import checks, custom_ops
+
+_DOC_COMMON = """
+    Under ``causal``, query ``i`` sees keys ``j <= i`` (``causal_alignment="top_left"``, as
+    ``scaled_dot_product_attention(is_causal=True)``) or ``j <= i + Sk - Sq`` (``"bottom_right"``, as
+    FlashAttention when ``Sq != Sk``). A query row that sees no key (an empty key sequence, or a bottom-right row
+    above the diagonal) outputs 0 and a log-sum-exp of ``-inf``. GQA/MQA: query head ``h`` uses key/value head
+    ``h // (Hq // Hkv)``.
+
+    Args:
+        scale: score scale, ``1 / sqrt(D)`` by default.
+        return_lse: also return the natural log-sum-exp of each row's scaled scores (float32).
+        out_dtype: the output's dtype: ``q``'s by default (bfloat16 for fp8 inputs); bfloat16, float16 or float32.
+        q_descale, k_descale, v_descale: for ``float8_e4m3fn`` inputs only, and then required: 1-element float32
+            tensors on the inputs' device (read on the device, never on the host); the result is that of the
+            dequantised inputs ``q * q_descale`` etc.
+        variant: ``"pipelined"`` (pointer loads, software-pipelined; NVIDIA GPUs from Ampere on),
+            ``"warp_specialized"`` (TMA descriptors and a warp-specialised key/value loop; Hopper on) or ``"auto"``
+            (the dispatcher's choice, ``python -m blockattn info``). Where the kernels do not run (the CPU, other
+            devices) a PyTorch path of the same semantics runs, whatever the variant is.
+
+    ``D`` is a multiple of 8 in [16, 256]. The kernels take float16, bfloat16 and float8_e4m3fn (fp8 needs fp8
+    tensor cores: compute capability 8.9+); they multiply in the inputs' precision with fp32 accumulation and an
+    fp32 softmax. fp8 quantises the probabilities to fp8 (scaled by 256 first) for the ``P V`` product, as FA3 does
+    (docs/semantics.md, "Flash attention"). The PyTorch path also takes float32 (and float64 on the CPU) and computes
+    in fp32 (float64). Forward only: no gradient flows (the inputs must not require one).
+    Bad arguments raise ``TypeError``/``ValueError`` before any kernel runs."""
+
+
+def _no_grad(q, k, v) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("flash attention is forward only: q, k, v must not require grad (call it under "
+                         "torch.no_grad() or detach them)")
+
+
+def _out_dtype(q: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if q.dtype == checks.FP8_DTYPE else q.dtype
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    causal_alignment: str = "top_left",
+    scale: float | None = None,
+    return_lse: bool = False,
+    out_dtype: torch.dtype | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    variant: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over whole sequences, ``out = softmax(scale * Q K^T + mask) V``, on dense tensors.
+
+    ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (``Hq % Hkv == 0``); returns ``out [B, Sq, Hq, D]``, and with
+    ``return_lse`` also ``lse [B, Hq, Sq]``.
+    """
+    checks.flash(q, k, v, packed=False, causal=causal, causal_alignment=causal_alignment, scale=scale,
+                 return_lse=return_lse, out_dtype=out_dtype, descales=(q_descale, k_descale, v_descale),
+                 variant=variant)
+    _no_grad(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = custom_ops.flash_attention_fwd(q, k, v, None, None, None, None, scale, causal,
+                                              causal_alignment == "bottom_right", _out_dtype(q, out_dtype),
+                                              q_descale, k_descale, v_descale, variant)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    causal_alignment: str = "top_left",
+    scale: float | None = None,
+    return_lse: bool = False,
+    out_dtype: torch.dtype | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    variant: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over whole sequences packed back to back (varlen).
+
+    ``q [Nq, Hq, D]``, ``k, v [Nk, Hkv, D]``; sequence ``b`` has queries ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and
+    keys ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (``[B + 1]`` int32/int64 on the inputs' device, starting at 0,
+    non-decreasing, ending at ``Nq``/``Nk``; length-0 sequences allowed). Returns ``out [Nq, Hq, D]``, and with
+    ``return_lse`` also ``lse [Hq, Nq]``.
+
+    No host synchronisation: the grid comes from the shapes (one program per possible tile of query rows), never from
+    reading ``cu_seqlens`` on the host, so the call works under ``torch.compile(fullgraph=True)`` and CUDA graphs
+    (new ``cu_seqlens`` values of the same shapes replay correctly). ``max_seqlen_q`` and ``max_seqlen_k``, optional
+    Python ints, are upper bounds on the sequences' lengths: ``max_seqlen_q`` shrinks the grid. Their values, like
+    those of ``cu_seqlens``, are checked with a ``ValueError`` on the CPU and by a device-side assertion on a GPU
+    (it fails the next synchronising call); the kernels never read or write out of bounds meanwhile.
+    """
+    checks.flash(q, k, v, packed=True, causal=causal, causal_alignment=causal_alignment, scale=scale,
+                 return_lse=return_lse, out_dtype=out_dtype, descales=(q_descale, k_descale, v_descale),
+                 variant=variant)
+    checks.cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    _no_grad(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = custom_ops.flash_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                              causal, causal_alignment == "bottom_right", _out_dtype(q, out_dtype),
+                                              q_descale, k_descale, v_descale, variant)
+    return (out, lse) if return_lse else out
+
+
+for _fn in (flash_attention, flash_attention_varlen):
+    if _fn.__doc__:  # None under python -OO
+        _fn.__doc__ += _DOC_COMMON

@@ -1,0 +1,349 @@
+"""Flash attention (whole sequences, dense and varlen) against the float64 reference: the Triton kernels (the
+interpreter on CPU, real on a GPU), the PyTorch path, the public functions, validation, compile, CUDA graphs."""
+
+import math
+
+import pytest
+import torch
+from conftest import HAS_GPU, KERNEL_DEVICE, absolute_slack, capture_cuda_graph, make_offsets, requires_gpu
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import blockattn
+from blockattn import backends, devices
+from blockattn.backends import FLASH_BACKENDS, FlashCall
+from blockattn.block_table import build_block_table
+from blockattn.checks import FP8_DTYPE
+from blockattn.ops import flash_attention as flash_ops
+from blockattn.reference import flash_attention_reference, snr_db
+
+VARIANTS = ["pipelined", "warp_specialized"]
+# The interpreter runs small tiles (fast, and several tiles per sequence); a GPU runs the tuned configuration.
+INTERPRETER_CONFIG = flash_ops.FlashConfig(32, 16, 4, 2)
+# What fp8 reaches against the float64 reference on the dequantised inputs (measured on an H100: docs/benchmarks.md).
+FP8_MIN_SNR_DB = 30.0
+CAUSAL_MODES = [(False, False), (True, False), (True, True)]
+CAUSAL_IDS = ["full", "top_left", "bottom_right"]
+
+
+def packed_inputs(lengths_q, lengths_k, hq, hkv, d, dtype, device):
+    cu_q, cu_k = make_offsets(lengths_q, device), make_offsets(lengths_k, device)
+    q = torch.randn(sum(lengths_q), hq, d, device=device)
+    k = torch.randn(sum(lengths_k), hkv, d, device=device)
+    v = torch.randn(sum(lengths_k), hkv, d, device=device)
+    return (*(t.to(dtype) for t in (q, k, v)), cu_q, cu_k)
+
+
+def quantised(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t8, descale)``: per-tensor fp8 e4m3 with ``t ~ t8 * descale``."""
+    descale = (t.abs().amax().float() / 448.0).clamp(min=1e-12).reshape(1)
+    return (t / descale).to(FP8_DTYPE), descale
+
+
+def dequantised(t8, descale):
+    return t8.double() * descale.double()
+
+
+def run_variant(variant, q, k, v, cu_q, cu_k, causal, bottom_right, descales=None, out_dtype=None):
+    """``(out, lse)`` of one backend's launcher, bypassing the dispatcher (tuned config on a GPU)."""
+    call = FlashCall.of(q, k, v, variant, causal)
+    if variant == "warp_specialized" and (reason := backends.tma_head_dim_reason(q.shape[-1])):
+        pytest.skip(reason)
+    config = call.with_config(variant).config if HAS_GPU else INTERPRETER_CONFIG
+    assert config is not None, call.with_config(variant).config_reason
+    table = None if cu_q is None else build_block_table(cu_q, q.shape[0], config.block_m)
+    out_dtype = out_dtype or (torch.bfloat16 if descales is not None else q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return FLASH_BACKENDS[variant].forward(q, k, v, cu_q, cu_k, table, scale, causal, bottom_right, out_dtype,
+                                           descales, config)
+
+
+def assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, bottom_right):
+    """The 2x rule against the float64 reference (plus one rounding of the output dtype and the absolute slack),
+    the log-sum-exp to fp32 accuracy, and the rows that see no key: 0 and -inf."""
+    exact, exact_lse = flash_attention_reference(q, k, v, cu_q, cu_k, causal=causal, bottom_right=bottom_right)
+    same, _ = flash_attention_reference(q, k, v, cu_q, cu_k, causal=causal, bottom_right=bottom_right,
+                                        compute_dtype=q.dtype)
+    assert not out.isnan().any() and not lse.isnan().any()
+    err = (out.double() - exact).abs().max().item() if out.numel() else 0.0
+    torch_err = (same.double() - exact).abs().max().item() if out.numel() else 0.0
+    allowance = torch.finfo(out.dtype).eps * (exact.abs().max().item() if out.numel() else 0.0)
+    assert err <= 2 * torch_err + allowance + absolute_slack(q.dtype), (err, torch_err)
+    assert torch.equal(torch.isinf(lse), torch.isinf(exact_lse))
+    finite = torch.isfinite(exact_lse)
+    if finite.any():
+        lse_err = (lse.double()[finite] - exact_lse[finite]).abs().max().item()
+        assert lse_err <= 1e-4 * (1 + exact_lse[finite].abs().max().item()), lse_err
+
+
+def dense_as_packed(q, k, v):
+    """Dense ``[B, S, H, D]`` tensors as packed ones with their cumulative lengths."""
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sq
+    cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
+    return q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernels: the interpreter on the CPU (fp16, small), the GPU for the rest
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("head_dim", [40, 64])
+def test_kernels_varlen_odd_lengths(variant, causal, bottom_right, head_dim, poisoned_outputs):
+    """Length-0 query and key sequences, Sq < Sk and Sq > Sk, lengths off the tiles, GQA."""
+    lengths_q = [5, 0, 3, 70, 33, 1]
+    lengths_k = [9, 4, 0, 50, 33, 64]
+    q, k, v, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 4, 2, head_dim, torch.float16, KERNEL_DEVICE)
+    out, lse = run_variant(variant, q, k, v, cu_q, cu_k, causal, bottom_right)
+    assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, bottom_right)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
+def test_kernels_dense(variant, causal, bottom_right, poisoned_outputs):
+    q = torch.randn(2, 37, 2, 64, device=KERNEL_DEVICE, dtype=torch.float16)
+    k, v = (torch.randn(2, 21, 1, 64, device=KERNEL_DEVICE, dtype=torch.float16) for _ in range(2))
+    out, lse = run_variant(variant, q, k, v, None, None, causal, bottom_right)
+    assert out.shape == q.shape and lse.shape == (2, 2, 37)
+    pq, pk, pv, cu_q, cu_k = dense_as_packed(q, k, v)
+    assert_flash_accurate(out.flatten(0, 1), lse.transpose(0, 1).flatten(1), pq, pk, pv, cu_q, cu_k, causal,
+                          bottom_right)
+
+
+GPU_SHAPES = [(1, 1, 1), (2, 17, 17), (4, 128, 128), (1, 257, 257), (2, 512, 1024), (2, 1024, 512), (1, 2048, 2048)]
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k", GPU_SHAPES)
+def test_gpu_dense(variant, dtype, causal, bottom_right, head_dim, batch, seqlen_q, seqlen_k, poisoned_outputs):
+    heads = 8 if seqlen_q <= 1024 else 1
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype)
+    k, v = (torch.randn(batch, seqlen_k, heads // 2 if heads > 1 else 1, head_dim, device="cuda", dtype=dtype)
+            for _ in range(2))
+    out, lse = run_variant(variant, q, k, v, None, None, causal, bottom_right)
+    pq, pk, pv, cu_q, cu_k = dense_as_packed(q, k, v)
+    assert_flash_accurate(out.flatten(0, 1), lse.transpose(0, 1).flatten(1), pq, pk, pv, cu_q, cu_k, causal,
+                          bottom_right)
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [16, 24, 40, 80, 96, 192, 256])
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
+def test_gpu_varlen_head_dims(variant, dtype, head_dim, causal, bottom_right, poisoned_outputs):
+    """Every other supported head dim, varlen with length-0 sequences, GQA 4:1 and MQA."""
+    lengths_q = [0, 300, 1, 129, 1000, 64]
+    lengths_k = [7, 300, 0, 200, 513, 64]
+    for hkv in (2, 1):
+        q, k, v, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 8, hkv, head_dim, dtype, "cuda")
+        out, lse = run_variant(variant, q, k, v, cu_q, cu_k, causal, bottom_right)
+        assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, bottom_right)
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_fp8(variant, causal, bottom_right, head_dim, out_dtype, poisoned_outputs):
+    """fp8 inputs against the float64 reference on the dequantised inputs: SNR at least FP8_MIN_SNR_DB."""
+    lengths_q, lengths_k = [0, 700, 1, 2048, 129], [5, 700, 0, 1500, 129]
+    q, k, v, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 8, 2, head_dim, torch.float32, "cuda")
+    (q8, qs), (k8, ks), (v8, vs) = quantised(q), quantised(k), quantised(v)
+    out, lse = run_variant(variant, q8, k8, v8, cu_q, cu_k, causal, bottom_right, (qs, ks, vs), out_dtype)
+    assert out.dtype == out_dtype
+    exact, exact_lse = flash_attention_reference(dequantised(q8, qs), dequantised(k8, ks), dequantised(v8, vs),
+                                                 cu_q, cu_k, causal=causal, bottom_right=bottom_right)
+    assert not out.isnan().any()
+    snr = snr_db(out, exact)
+    print(f"fp8 {variant} D={head_dim} causal={causal} bottom_right={bottom_right} out={out_dtype}: {snr:.1f} dB")
+    assert snr >= FP8_MIN_SNR_DB
+    assert torch.equal(torch.isinf(lse), torch.isinf(exact_lse))
+    finite = torch.isfinite(exact_lse)
+    assert (lse.double()[finite] - exact_lse[finite]).abs().max().item() < 1e-3 * (1 + exact_lse.abs()[finite].max())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The public functions: dispatcher, PyTorch path, compile, CUDA graphs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
+       heads=st.sampled_from([(1, 1), (4, 2), (4, 1)]), head_dim=st.sampled_from([16, 24, 64]),
+       causal_mode=st.sampled_from(CAUSAL_MODES), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_torch_path_matches_reference(lengths, heads, head_dim, causal_mode, dtype):
+    """The CPU path through the public varlen function, any lengths (0 included)."""
+    q, k, v, cu_q, cu_k = packed_inputs([a for a, _ in lengths], [b for _, b in lengths], *heads, head_dim, dtype,
+                                        "cpu")
+    causal, bottom_right = causal_mode
+    out, lse = blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True,
+                                                causal_alignment="bottom_right" if bottom_right else "top_left")
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, bottom_right)
+
+
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
+def test_dense_equals_varlen(causal, bottom_right):
+    """The dense function is the varlen one on equal-length sequences (the dispatcher's choice on this machine)."""
+    dtype = torch.float16 if HAS_GPU else torch.float32
+    q = torch.randn(3, 45, 4, 64, device=KERNEL_DEVICE, dtype=dtype)
+    k, v = (torch.randn(3, 30, 2, 64, device=KERNEL_DEVICE, dtype=dtype) for _ in range(2))
+    alignment = "bottom_right" if bottom_right else "top_left"
+    out, lse = blockattn.flash_attention(q, k, v, causal=causal, causal_alignment=alignment, return_lse=True)
+    packed = dense_as_packed(q, k, v)
+    out_v, lse_v = blockattn.flash_attention_varlen(*packed, causal=causal, causal_alignment=alignment,
+                                                    return_lse=True)
+    torch.testing.assert_close(out.flatten(0, 1), out_v, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse.transpose(0, 1).flatten(1), lse_v, atol=1e-4, rtol=0)
+
+
+def test_fp8_on_the_torch_path():
+    """fp8 through dequantisation on the CPU: exactly the result of the dequantised inputs (fp32 compute)."""
+    q, k, v, cu_q, cu_k = packed_inputs([7, 0, 20], [9, 3, 20], 4, 2, 32, torch.float32, "cpu")
+    (q8, qs), (k8, ks), (v8, vs) = quantised(q), quantised(k), quantised(v)
+    out = blockattn.flash_attention_varlen(q8, k8, v8, cu_q, cu_k, q_descale=qs, k_descale=ks, v_descale=vs,
+                                           out_dtype=torch.float32)
+    exact, _ = flash_attention_reference(dequantised(q8, qs), dequantised(k8, ks), dequantised(v8, vs), cu_q, cu_k)
+    assert (out.double() - exact).abs().max().item() < 1e-5
+
+
+def test_meta_tensors_and_flop_count():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q = torch.empty(2, 100, 8, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 60, 2, 64, device="meta", dtype=torch.bfloat16)
+    out, lse = blockattn.flash_attention(q, k, k, return_lse=True)
+    assert out.shape == q.shape and out.device.type == "meta" and lse.shape == (2, 8, 100)
+    q, k, v, cu_q, cu_k = packed_inputs([5, 0, 30], [10, 4, 30], 4, 2, 32, torch.float32, "cpu")
+    for causal in (False, True):
+        with FlopCounterMode(display=False) as counter:
+            blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
+        pairs = 5 * 10 + 0 * 4 + 30 * 30
+        assert counter.get_total_flops() == 4 * pairs * 32 * 4 // (2 if causal else 1)
+
+
+def test_compile_fullgraph():
+    q, k, v, cu_q, cu_k = packed_inputs([7, 0, 40], [9, 3, 40], 4, 2, 32,
+                                        torch.float16 if HAS_GPU else torch.float32, KERNEL_DEVICE)
+    fn = torch.compile(lambda *a: blockattn.flash_attention_varlen(*a, causal=True, max_seqlen_q=40), fullgraph=True)
+    eager = blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True, max_seqlen_q=40)
+    torch.testing.assert_close(fn(q, k, v, cu_q, cu_k), eager, atol=0, rtol=0)
+    dense = torch.compile(lambda a, b, c: blockattn.flash_attention(a, b, c, causal=True), fullgraph=True)
+    qd = q[:40].unsqueeze(0)
+    torch.testing.assert_close(dense(qd, k[:40].unsqueeze(0), v[:40].unsqueeze(0)),
+                               blockattn.flash_attention(qd, k[:40].unsqueeze(0), v[:40].unsqueeze(0), causal=True),
+                               atol=0, rtol=0)
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", ["auto", *VARIANTS])
+def test_gpu_cuda_graph_new_lengths(variant):
+    """Captured once; replayed with other cumulative lengths (same shapes): the results of the new lengths."""
+    q, k, v, cu_q, cu_k = packed_inputs([100, 0, 900], [300, 5, 695], 8, 2, 128, torch.bfloat16, "cuda")
+    graph, out = capture_cuda_graph(lambda: blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True,
+                                                                             variant=variant))
+    for lengths_q, lengths_k in (([500, 500, 0], [1, 999, 0]), ([1000, 0, 0], [0, 0, 1000])):
+        cu_q.copy_(make_offsets(lengths_q, "cuda"))
+        cu_k.copy_(make_offsets(lengths_k, "cuda"))
+        graph.replay()
+        expected = blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True, variant=variant)
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@requires_gpu
+def test_gpu_auto_picks_a_kernel():
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    call = FlashCall.of(q, q, q, "auto", False)
+    assert backends.select(call, FLASH_BACKENDS).name in VARIANTS
+
+
+def test_fp8_refused_without_fp8_tensor_cores(monkeypatch):
+    """An Ampere GPU (faked) gets a clear error for fp8, and the PyTorch path does not take it silently."""
+    monkeypatch.setattr(devices, "capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    call = FlashCall("fwd", torch.device("cuda", 0), FP8_DTYPE, 128, "auto", False, True, True)
+    with pytest.raises(ValueError, match="fp8 tensor cores"):
+        backends.select(call, FLASH_BACKENDS)
+
+
+def test_configuration_that_does_not_fit_is_refused():
+    cfg, reason = flash_ops.flash_config("pipelined", (9, 0), 256, False, shared_limit=16 * 1024)
+    assert cfg is None and "shared memory" in reason
+    a100 = 163 * 1024
+    cfg, reason = flash_ops.flash_config("pipelined", (8, 0), 256, False, shared_limit=a100)
+    assert reason is None and cfg.shared_bytes(256, 2) <= a100
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Validation: before any kernel runs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _dense(dtype=torch.float32, **shape):
+    b, sq, sk, hq, hkv, d = (shape.get(n, x) for n, x in (("b", 2), ("sq", 5), ("sk", 6), ("hq", 4), ("hkv", 2),
+                                                            ("d", 32)))
+    return (torch.randn(b, sq, hq, d).to(dtype), torch.randn(b, sk, hkv, d).to(dtype),
+            torch.randn(b, sk, hkv, d).to(dtype))
+
+
+@pytest.mark.parametrize("args,kwargs,error,match", [
+    (_dense(), {"causal": 1}, TypeError, "causal must be a bool"),
+    (_dense(), {"causal_alignment": "top-left"}, ValueError, "causal_alignment must be one of"),
+    (_dense(), {"scale": -1.0}, ValueError, "scale must be a finite positive"),
+    (_dense(), {"variant": "fast"}, ValueError, "variant must be one of"),
+    (_dense(), {"out_dtype": torch.int8}, ValueError, "out_dtype must be"),
+    (_dense(), {"out_dtype": "bf16"}, TypeError, "out_dtype must be a torch.dtype"),
+    (_dense(), {"return_lse": None}, TypeError, "return_lse must be a bool"),
+    (_dense(), {"q_descale": torch.ones(1)}, ValueError, "q_descale apply to float8_e4m3fn inputs only"),
+    (_dense(FP8_DTYPE), {"q_descale": torch.ones(1), "k_descale": torch.ones(1)}, ValueError,
+     "v_descale is required"),
+    (_dense(FP8_DTYPE), {"q_descale": torch.ones(2), "k_descale": torch.ones(1), "v_descale": torch.ones(1)},
+     ValueError, "q_descale must be a 1-element float32"),
+    (_dense(FP8_DTYPE), {"q_descale": torch.ones(1, dtype=torch.float64), "k_descale": torch.ones(1),
+                         "v_descale": torch.ones(1)}, ValueError, "q_descale must be a 1-element float32"),
+    (_dense(d=20), {}, ValueError, "head_dim must be a multiple of 8"),
+    (_dense(hq=3), {}, ValueError, "positive multiple of k/v heads"),
+    (_dense(torch.int32), {}, TypeError, "q must be"),
+    ((torch.randn(2, 5, 4, 32), torch.randn(3, 6, 2, 32), torch.randn(3, 6, 2, 32)), {}, ValueError,
+     "same batch size"),
+    ((torch.randn(5, 4, 32), torch.randn(6, 2, 32), torch.randn(6, 2, 32)), {}, ValueError, "q must be 4-D"),
+    ((torch.randn(2, 5, 4, 32), torch.randn(2, 6, 2, 32), torch.randn(2, 7, 2, 32)), {}, ValueError,
+     "k and v must have the same shape"),
+    ((torch.randn(2, 5, 4, 32), torch.randn(2, 6, 2, 32).half(), torch.randn(2, 6, 2, 32)), {}, TypeError,
+     "share a dtype"),
+])
+def test_dense_validation(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        blockattn.flash_attention(*args, **kwargs)
+
+
+def test_varlen_validation():
+    q, k, v, cu_q, cu_k = packed_inputs([3, 4], [5, 6], 4, 2, 32, torch.float32, "cpu")
+    call = blockattn.flash_attention_varlen
+    with pytest.raises(ValueError, match="same length B"):
+        call(q, k, v, cu_q, cu_k[:-1])
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32 or int64"):
+        call(q, k, v, cu_q.float(), cu_k)
+    with pytest.raises(ValueError, match="max_seqlen_q must be a non-negative int"):
+        call(q, k, v, cu_q, cu_k, max_seqlen_q=2.5)
+    with pytest.raises(ValueError, match="more than the max_seqlen hint"):
+        call(q, k, v, cu_q, cu_k, max_seqlen_q=3)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\] must equal"):
+        call(q, k, v, cu_q, cu_k + torch.tensor([0, 0, 1], dtype=cu_k.dtype))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        call(q, k, v, torch.tensor([0, 8, 7], dtype=torch.int32), cu_k)
+    with pytest.raises(ValueError, match="B = 0"):
+        call(q, k, v, cu_q[:1], cu_k[:1])
+    with pytest.raises(ValueError, match="forward only"):
+        call(q.requires_grad_(), k, v, cu_q, cu_k)
+    with torch.no_grad():
+        assert call(q, k, v, cu_q, cu_k).shape == q.shape
