@@ -524,13 +524,14 @@ def test_info_backend_reasons(monkeypatch, capsys):
         "everything": types.SimpleNamespace(name="everything", passes=("fwd", "bwd"), summary="the rest",
                                             why_not=lambda call: None),
     }
-    fake.select = lambda call: next(b for b in fake.BACKENDS.values()
-                                    if call.pass_name in b.passes and b.why_not(call) is None)
+    fake.select = lambda call, registry=None: backends.select(call, registry) if registry else next(
+        b for b in fake.BACKENDS.values() if call.pass_name in b.passes and b.why_not(call) is None)
+    fake.FLASH_BACKENDS, fake.FlashCall = backends.FLASH_BACKENDS, backends.FlashCall
     monkeypatch.setitem(sys.modules, "blockattn.backends", fake)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "  special (bwd): D = 128 only\n      not for ads-d64, short: takes D = 128, not 64\n" in out
-    presets = out.split("Presets here")[1].split("Baselines")[0].splitlines()[1:]
+    presets = out.split("Presets here")[1].split("Flash attention backends")[0].splitlines()[1:]
     runs = {line.split()[0]: line.split(maxsplit=1)[1] for line in presets}
     assert runs["ads"] == "fwd: everything  bwd: special" and runs["short"] == "fwd: everything  bwd: everything"
 

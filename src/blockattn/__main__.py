@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"custom workload: block size (default {DEFAULT_BLOCK_SIZE})")
     bench.add_argument("--rotary", action="store_true",
                        help="also time fused rotary and projection (always on for the ads-rotary preset)")
+    bench.add_argument("--dense", action="store_true",
+                       help="time flash attention instead (whole sequences: dense shapes B 1/4, S 512-16384, D 64/128, "
+                            "causal and not, and varlen on the long preset's lengths) against SDPA cuDNN/flash and "
+                            "FA2 varlen; writes dense.json and dense.png")
     bench.add_argument("--baselines", nargs="*", choices=list(BASELINES), metavar="NAME", default=None,
                        help="baselines to run (default: all): " + ", ".join(f"'{b}'" for b in BASELINES))
     bench.add_argument("--rep-ms", type=at_least(1), default=300, help="time spent repeating each measurement")
@@ -220,13 +224,40 @@ def print_report(report, console) -> None:
         console.print(Text(f"FAILED: {line}", style="bold red"))
 
 
+def dense_bench(args: argparse.Namespace) -> int:
+    """``bench --dense``: flash attention against SDPA and FA2 varlen; exit status 1 where a blockattn kernel
+    failed."""
+    from rich.progress import Progress
+    from rich.text import Text
+
+    from .bench import dense
+
+    console = make_console()
+    with Progress(console=console, transient=True) as progress:
+        report = dense.run(rep_ms=args.rep_ms, seed=args.seed, progress=progress)
+    paths = dense.write_files(report, args.out)
+    dense.print_report(report, console)
+    for path in paths:
+        console.print(Text(f"wrote {path}"))
+    failures = [s for s in report["skipped"] if s["status"] == harness.FAILED and harness.uses_blockattn(s["impl"])]
+    for s in failures:
+        console.print(Text(f"FAILED: {s['impl']} on {s['case']}: {s['reason']}", style="bold red"))
+    return 1 if failures else 0
+
+
 def bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
     """Exit status 1 where blockattn or a whole workload failed (the report says which); 0 otherwise."""
     if not torch.cuda.is_available():
+        if args.dense:
+            print("No CUDA GPU here, so no timings: `blockattn bench --dense` times the flash-attention kernels on "
+                  "an NVIDIA GPU. Nothing written.")
+            return 0
         return cpu_demo(workloads, args.out)
     missing = [m for m in ("rich", "matplotlib") if importlib.util.find_spec(m) is None]
     if missing:
         raise SystemExit(f"blockattn bench needs {' and '.join(missing)}: pip install 'blockattn[bench]'")
+    if args.dense:
+        return dense_bench(args)
     from rich.progress import Progress
     from rich.text import Text
 
@@ -290,6 +321,26 @@ def print_backends(device: torch.device) -> None:
     width = max(map(len, calls))
     for label, by_pass in calls.items():
         print(f"  {label:<{width}}  " + "  ".join(f"{p}: {runs(call)}" for p, call in by_pass.items()))
+    print_flash_backends(device)
+
+
+def print_flash_backends(device: torch.device) -> None:
+    """The flash-attention backends and which one ``variant="auto"`` takes here, per dtype and head dim."""
+    from .backends import FLASH_BACKENDS, FlashCall, select
+    from .checks import FP8_DTYPE
+
+    print("Flash attention backends (flash_attention, flash_attention_varlen), most preferred first:")
+    for backend in FLASH_BACKENDS.values():
+        print(f"  {backend.name}: {backend.summary}")
+    print(f"  variant='auto' here ({device}):")
+    for dtype in (torch.bfloat16, FP8_DTYPE):
+        for head_dim in (64, 128, 256):
+            call = FlashCall("fwd", device, dtype, head_dim, "auto", False, True, True)
+            try:
+                choice = select(call, FLASH_BACKENDS).name
+            except ValueError as error:
+                choice = f"none ({error})"
+            print(f"    {str(dtype).removeprefix('torch.')} D={head_dim}: {choice}")
 
 
 def info() -> int:
@@ -321,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "info":
         return info()
+    if args.dense:
+        given = [flag(f) for f in ("preset", *CUSTOM_FLAGS) if getattr(args, f) is not None]
+        given += ["--rotary"] * args.rotary + ["--dtype"] * (args.dtype is not None)
+        if given:
+            args.usage_error(f"--dense times its own shapes; it takes no {', '.join(given)}")
+        return bench(args, [])
     return bench(args, workloads_from_args(args))
 
 

@@ -222,25 +222,25 @@ def _flash_tma_why_not(call: FlashCall) -> str | None:
         return reason
     if devices.capability(call.device) < TMA_CAPABILITY:
         return "needs TMA (Hopper, compute capability 9.0+)"
-    if reason := tma_head_dim_reason(call.head_dim):
+    if reason := tma_reason(call.head_dim, call.dtype):
         return reason
-    if call.variant == "auto" and call.head_dim not in TMA_AUTO_HEAD_DIMS:
-        return f"the pipelined kernel is faster at head dim {call.head_dim} (variant='auto')"
     if not call.tma_ready:
         return "needs q, k, v with heads side by side in a row and 16-byte aligned starts and strides (TMA)"
     return call.with_config("warp_specialized").config_reason
 
 
-# The TMA kernel's tiles are whole heads; these compiled and ran correctly on an H100 with triton 3.6 (others
-# failed in Triton's Hopper warp-specialisation pass or at run time).
-TMA_HEAD_DIMS = (64, 128)
-# Where variant="auto" takes the TMA kernel: it beat the pipelined one at D = 128 only (H100, docs/benchmarks.md).
-TMA_AUTO_HEAD_DIMS = (128,)
+# What the TMA kernel takes: whole heads of 128 columns, 16-bit. On an H100 with triton 3.6 other head dims (16,
+# 64, 256) and fp8 inputs compiled but hit "illegal instruction" at run time in the varlen/GQA tests, or failed in
+# Triton's Hopper warp-specialisation pass (docs/benchmarks.md).
+TMA_HEAD_DIMS = (128,)
+TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def tma_head_dim_reason(head_dim: int) -> str | None:
+def tma_reason(head_dim: int, dtype: torch.dtype) -> str | None:
     if head_dim not in TMA_HEAD_DIMS:
         return f"takes head dims {TMA_HEAD_DIMS}, not {head_dim}"
+    if dtype not in TMA_DTYPES:
+        return f"takes float16 and bfloat16, not {dtype}"
     return None
 
 

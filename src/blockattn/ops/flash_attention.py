@@ -5,8 +5,8 @@ The FlashAttention-2 algorithm: one program owns ``BLOCK_M`` query rows of one h
 of its sequence, keeping a running row maximum ``m``, row sum ``l`` and accumulator (online softmax, in base 2).
 Key tiles above the causal diagonal are never visited; keys past the sequence's end and above the diagonal are
 masked to ``-inf`` by one select per score. The kernels have no runtime branch and one key loop: Triton's Hopper
-warp specialisation takes nothing else, and its software pipeliner did 5x worse on a branch around two loops (an
-unmasked one and a masked one) on an H100.
+warp specialisation takes nothing else, and its software pipeliner did about 4x worse on a branch around two loops
+(an unmasked one and a masked one) on an H100.
 
 Two variants:
 
@@ -14,7 +14,8 @@ Two variants:
   Ampere on).
 - ``warp_specialized``: TMA tensor descriptors built on the device per sequence (rows past a sequence's end are
   zero-filled on load and dropped on store), and a key/value loop that Triton warp-specialises on Hopper: producer
-  warps fill a multi-stage shared-memory ring with TMA, consumer warps compute (Hopper and later).
+  warps fill a multi-stage shared-memory ring with TMA, consumer warps compute (Hopper and later; the dispatcher
+  sends it 16-bit inputs with D = 128 only, ``backends.TMA_HEAD_DIMS``: other head dims and fp8 failed on triton 3.6).
 
 fp8 (``float8_e4m3fn``) inputs multiply in fp8 with fp32 accumulation. The descales are read on the device: ``q`` and
 ``k``'s fold into the score scale, ``v``'s multiplies the output. ``P`` is quantised to fp8 for the ``P V`` product
@@ -61,14 +62,14 @@ class FlashConfig:
 
 # Swept on an H100 (benchmarks/tune_flash_attention.py: B 4, S 4096, H 16; docs/benchmarks.md); keyed by (variant,
 # fp8), then head dims up to. The warp-specialised loop takes 4 warps (Triton's Hopper pass splits them into a
-# producer and consumer groups itself) and whole heads of 64 or 128 columns.
+# producer and consumer groups itself).
 _CONFIGS = {
     ("pipelined", False): ((128, FlashConfig(128, 64, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
     ("pipelined", True): ((128, FlashConfig(128, 64, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
     ("warp_specialized", False): ((128, FlashConfig(128, 128, 4, 2)),),
     ("warp_specialized", True): ((128, FlashConfig(128, 128, 4, 2)),),
 }
-# Ampere and Ada: less shared memory, no TMA, and no measurement here; the smaller tiles of FlashAttention-2 there.
+# Ampere and Ada (never measured here): 4 warps and 2 stages, for their 100-164 KB of shared memory.
 _CONFIGS_SM8X = ((128, FlashConfig(128, 64, 4, 2)), (256, FlashConfig(64, 64, 4, 2)))
 
 
@@ -212,7 +213,7 @@ def _flash_fwd_kernel(
     NUM_STAGES: tl.constexpr,
 ):
     """The ``pipelined`` variant: grid ``(tile slots, Hq)``. Branch-free with one key loop, like the TMA kernel:
-    Triton pipelines this shape well (a runtime branch around two loops measured 5x slower on an H100)."""
+    Triton pipelines this shape well (a runtime branch around two loops measured about 4x slower on an H100)."""
     head = tl.program_id(1)
     batch, q_start, k_start, sq, sk, m0 = _tile_of(
         tl.program_id(0), seqlen_q, seqlen_k, tiles_per_seq, cu_q_ptr, cu_k_ptr, block_cum_ptr, block_seq_ptr,
