@@ -46,7 +46,7 @@ def dequantised(t8, descale):
 
 def run_variant(variant, q, k, v, cu_q, cu_k, causal, bottom_right, descales=None, out_dtype=None):
     """``(out, lse)`` of one backend's launcher, bypassing the dispatcher (tuned config on a GPU)."""
-    call = FlashCall.of(q, k, v, variant, causal)
+    call = FlashCall.of(q, k, v, variant)
     if variant == "warp_specialized" and (reason := backends.tma_reason(q.shape[-1], q.dtype)):
         pytest.skip(reason)
     config = call.with_config(variant).config if HAS_GPU else INTERPRETER_CONFIG
@@ -224,11 +224,12 @@ def test_meta_tensors_and_flop_count():
     out, lse = blockattn.flash_attention(q, k, k, return_lse=True)
     assert out.shape == q.shape and out.device.type == "meta" and lse.shape == (2, 8, 100)
     q, k, v, cu_q, cu_k = packed_inputs([5, 0, 30], [10, 4, 30], 4, 2, 32, torch.float32, "cpu")
-    for causal in (False, True):
+    # Visible pairs: all of them; top-left causal, row i sees min(i + 1, Sk) keys; bottom-right, i + 1 + Sk - Sq.
+    for alignment, pairs in (("none", 5 * 10 + 30 * 30), ("top_left", 15 + 465), ("bottom_right", 40 + 465)):
         with FlopCounterMode(display=False) as counter:
-            blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
-        pairs = 5 * 10 + 0 * 4 + 30 * 30
-        assert counter.get_total_flops() == 4 * pairs * 32 * 4 // (2 if causal else 1)
+            blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=alignment != "none",
+                                             causal_alignment="top_left" if alignment == "none" else alignment)
+        assert counter.get_total_flops() == 4 * pairs * 32 * 4, alignment
 
 
 def test_compile_fullgraph():
@@ -237,11 +238,48 @@ def test_compile_fullgraph():
     fn = torch.compile(lambda *a: blockattn.flash_attention_varlen(*a, causal=True, max_seqlen_q=40), fullgraph=True)
     eager = blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True, max_seqlen_q=40)
     torch.testing.assert_close(fn(q, k, v, cu_q, cu_k), eager, atol=0, rtol=0)
-    dense = torch.compile(lambda a, b, c: blockattn.flash_attention(a, b, c, causal=True), fullgraph=True)
-    qd = q[:40].unsqueeze(0)
-    torch.testing.assert_close(dense(qd, k[:40].unsqueeze(0), v[:40].unsqueeze(0)),
-                               blockattn.flash_attention(qd, k[:40].unsqueeze(0), v[:40].unsqueeze(0), causal=True),
-                               atol=0, rtol=0)
+    dense = torch.compile(lambda a, b, c: blockattn.flash_attention(a, b, c, causal=True, return_lse=True),
+                          fullgraph=True)
+    qd, kd, vd = q[:40].unsqueeze(0), k[:40].unsqueeze(0), v[:40].unsqueeze(0)
+    for got, want in zip(dense(qd, kd, vd), blockattn.flash_attention(qd, kd, vd, causal=True, return_lse=True)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_opcheck():
+    """The custom op's fake agrees with its implementations (shapes, strides, dtypes), dense and varlen."""
+    q, k, v, cu_q, cu_k = packed_inputs([7, 0, 20], [9, 3, 20], 4, 2, 32,
+                                        torch.float16 if HAS_GPU else torch.float32, KERNEL_DEVICE)
+    op = torch.ops.blockattn.flash_attention_fwd.default
+    torch.library.opcheck(op, (q, k, v, cu_q, cu_k, None, None, 0.2, True, True, q.dtype, None, None, None, "auto"))
+    qd, kd = q[:20].unsqueeze(0), k[:20].unsqueeze(0)
+    torch.library.opcheck(op, (qd, kd, kd, None, None, None, None, 0.2, True, False, q.dtype, None, None, None,
+                               "auto"))
+
+
+@requires_gpu
+def test_gpu_float32_and_strided_inputs_take_the_pytorch_path():
+    """What the kernels do not take on their GPU (float32, a strided last dimension) runs in PyTorch, exactly."""
+    q, k, v, cu_q, cu_k = packed_inputs([50, 0, 70], [60, 5, 70], 4, 2, 64, torch.float32, "cuda")
+    out = blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    exact, _ = flash_attention_reference(q, k, v, cu_q, cu_k, causal=True)
+    assert (out.double() - exact).abs().max().item() < 1e-5
+    strided = q.half().repeat_interleave(2, dim=-1)[..., ::2]
+    assert strided.stride(-1) == 2
+    out = blockattn.flash_attention_varlen(strided, k.half(), v.half(), cu_q, cu_k)
+    torch.testing.assert_close(out, blockattn.flash_attention_varlen(q.half(), k.half(), v.half(), cu_q, cu_k),
+                               atol=2e-3, rtol=0)
+
+
+@requires_gpu
+def test_gpu_fp8_zero_descale_gives_no_nan():
+    """A zero descale (an all-zero tensor quantised naively) gives uniform attention, not NaN, in masked rows."""
+    q, k, v, cu_q, cu_k = packed_inputs([100, 3], [40, 90], 4, 2, 128, torch.float32, "cuda")
+    (q8, _), (k8, ks), (v8, vs) = quantised(q), quantised(k), quantised(v)
+    out = blockattn.flash_attention_varlen(q8, k8, v8, cu_q, cu_k, causal=True, causal_alignment="bottom_right",
+                                           q_descale=torch.zeros(1, device="cuda"), k_descale=ks, v_descale=vs)
+    exact, _ = flash_attention_reference(q8.double() * 0, k8.double(), dequantised(v8, vs), cu_q, cu_k, causal=True,
+                                         bottom_right=True)
+    assert not out.isnan().any() and snr_db(out, exact) > 30
 
 
 @requires_gpu
@@ -262,7 +300,7 @@ def test_gpu_cuda_graph_new_lengths(variant):
 @requires_gpu
 def test_gpu_auto_picks_a_kernel():
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
-    call = FlashCall.of(q, q, q, "auto", False)
+    call = FlashCall.of(q, q, q, "auto")
     assert backends.select(call, FLASH_BACKENDS).name in VARIANTS
 
 
@@ -270,7 +308,7 @@ def test_fp8_refused_without_fp8_tensor_cores(monkeypatch):
     """An Ampere GPU (faked) gets a clear error for fp8, and the PyTorch path does not take it silently."""
     monkeypatch.setattr(devices, "capability", lambda device: (8, 0))
     monkeypatch.setattr(torch.version, "hip", None)
-    call = FlashCall("fwd", torch.device("cuda", 0), FP8_DTYPE, 128, "auto", False, True, True)
+    call = FlashCall("fwd", torch.device("cuda", 0), FP8_DTYPE, 128, "auto", True, True)
     with pytest.raises(ValueError, match="fp8 tensor cores"):
         backends.select(call, FLASH_BACKENDS)
 

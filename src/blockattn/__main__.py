@@ -335,7 +335,7 @@ def print_flash_backends(device: torch.device) -> None:
     print(f"  variant='auto' here ({device}):")
     for dtype in (torch.bfloat16, FP8_DTYPE):
         for head_dim in (64, 128, 256):
-            call = FlashCall("fwd", device, dtype, head_dim, "auto", False, True, True)
+            call = FlashCall("fwd", device, dtype, head_dim, "auto", True, True)
             try:
                 choice = select(call, FLASH_BACKENDS).name
             except ValueError as error:

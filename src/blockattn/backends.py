@@ -177,17 +177,14 @@ class FlashCall:
     dtype: torch.dtype
     head_dim: int
     variant: str
-    causal: bool
     tma_ready: bool
     last_dim_contiguous: bool
     config: flash_ops.FlashConfig | None = None
     config_reason: str | None = None
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, causal: bool) -> FlashCall:
-        # fp8 v is read from a transposed copy the launcher makes.
-        tma = (q, k) if q.dtype == FP8_DTYPE else (q, k, v)
-        return cls("fwd", q.device, q.dtype, q.shape[-1], variant, causal, all(tma_rows_ready(t) for t in tma),
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str) -> FlashCall:
+        return cls("fwd", q.device, q.dtype, q.shape[-1], variant, all(tma_rows_ready(t) for t in (q, k, v)),
                    all(t.stride(-1) == 1 for t in (q, k, v)))
 
     def with_config(self, kernel_variant: str) -> FlashCall:
@@ -245,8 +242,14 @@ def tma_reason(head_dim: int, dtype: torch.dtype) -> str | None:
 
 
 def _flash_torch_why_not(call: FlashCall) -> str | None:
-    if devices.kernels_run_on(call.device):
-        return "the kernels serve this GPU (the PyTorch path runs where they do not)"
+    """Where the kernels do not run, and on their GPUs for what they do not take (float32, a strided last
+    dimension); never fp8 on a GPU without fp8 tensor cores (refused, not run slowly)."""
+    if not devices.kernels_run_on(call.device):
+        return None
+    if call.dtype == FP8_DTYPE:
+        return "fp8 on a GPU is the kernels' (they refuse it here)"
+    if call.dtype in FLASH_KERNEL_DTYPES and call.last_dim_contiguous:
+        return "the kernels serve this GPU and these inputs"
     return None
 
 
@@ -272,7 +275,8 @@ FLASH_BACKENDS: dict[str, Backend] = {
                 _flash_tma_why_not, forward=_flash_forward("warp_specialized")),
         Backend("pipelined", "Triton, pointer loads software-pipelined (NVIDIA GPUs from Ampere on)",
                 _flash_pipelined_why_not, forward=_flash_forward("pipelined")),
-        Backend("torch", "PyTorch ops sequence by sequence (the CPU path; the fallback on other devices)",
+        Backend("torch", "PyTorch ops sequence by sequence (the CPU path; the fallback on other devices, and for float32 "
+                "or a strided last dimension on kernel GPUs)",
                 _flash_torch_why_not, forward=_flash_torch_forward),
     )
 }

@@ -227,7 +227,7 @@ def flash_attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of dense ``[B, S, H, D]`` inputs (``cu_seqlens_q`` None; ``lse [B, H, Sq]``) or packed
     ``[N, H, D]`` ones (``lse [H, Nq]``), by the backend the dispatcher picks for ``variant``. Forward only."""
-    call = FlashCall.of(q, k, v, variant, causal)
+    call = FlashCall.of(q, k, v, variant)
     backend = backends.select(call, FLASH_BACKENDS)
     config = None if backend.name == "torch" else call.with_config(backend.name).config
     table = None
@@ -254,19 +254,32 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, ca
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-def attended_pairs(q, k, cu_seqlens_q, cu_seqlens_k) -> int:
-    """``sum over sequences of Sq * Sk`` (an upper bound on fake tensors)."""
+def _visible_pairs(sq: int, sk: int, causal: bool, bottom_right: bool) -> int:
+    """(query, key) pairs one sequence computes: ``Sq * Sk``, or under a causal mask ``sum_i clamp(i + 1 + shift, 0,
+    Sk)`` with ``shift = Sk - Sq`` (bottom-right) or 0."""
+    if not causal:
+        return sq * sk
+    shift = sk - sq if bottom_right else 0
+    # Rows i with 0 < i + 1 + shift < Sk see i + 1 + shift keys, the rows above none, the rows below all Sk.
+    first = max(0, -shift)  # first row that sees a key
+    full = max(first, min(sq, sk - shift - 1))  # first row that sees every key
+    partial = sum(range(first + 1 + shift, full + 1 + shift)) if full > first else 0
+    return partial + (sq - full) * sk
+
+
+def attended_pairs(q, k, cu_seqlens_q, cu_seqlens_k, causal: bool, bottom_right: bool) -> int:
+    """Pairs the call computes over all sequences (an upper bound on fake tensors)."""
     if cu_seqlens_q is None:
-        return q.shape[0] * q.shape[1] * k.shape[1]
+        return q.shape[0] * _visible_pairs(q.shape[1], k.shape[1], causal, bottom_right)
     if isinstance(cu_seqlens_q, torch._subclasses.FakeTensor) or cu_seqlens_q.device.type == "meta":
         return q.shape[0] * k.shape[0]
-    return int(((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long() * (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()).sum())
+    lengths = zip(cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist())
+    return sum(_visible_pairs(sq, sk, causal, bottom_right) for sq, sk in lengths)
 
 
 @register_flop_formula(torch.ops.blockattn.flash_attention_fwd, get_raw=True)
-def _flash_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, *args,
-                 **kwargs) -> int:
-    # 4 Sq Sk D H per sequence (two products), half of it under a causal mask: the convention of FlashAttention's
-    # benchmarks, which TFLOP/s figures are compared with.
-    flops = 4 * attended_pairs(q, k, cu_seqlens_q, cu_seqlens_k) * q.shape[-1] * q.shape[-2]
-    return flops // 2 if causal else flops
+def _flash_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, bottom_right,
+                 *args, **kwargs) -> int:
+    # Two products of 2 D H FLOPs per visible pair. (The bench's TFLOP/s take FlashAttention's convention instead:
+    # half of Sq Sk under a causal mask, which for Sq = Sk differs from this by Sq / 2 pairs.)
+    return 4 * attended_pairs(q, k, cu_seqlens_q, cu_seqlens_k, causal, bottom_right) * q.shape[-1] * q.shape[-2]

@@ -18,7 +18,8 @@ _DOC_COMMON = """
     Args:
         scale: score scale, ``1 / sqrt(D)`` by default.
         return_lse: also return the natural log-sum-exp of each row's scaled scores (float32).
-        out_dtype: the output's dtype: ``q``'s by default (bfloat16 for fp8 inputs); bfloat16, float16 or float32.
+        out_dtype: the output's dtype: ``q``'s by default (bfloat16 for fp8 inputs); bfloat16, float16 or float32
+            (float64 too on the CPU).
         q_descale, k_descale, v_descale: for ``float8_e4m3fn`` inputs only, and then required: 1-element float32
             tensors on the inputs' device (read on the device, never on the host); the result is that of the
             dequantised inputs ``q * q_descale`` etc.
@@ -28,23 +29,33 @@ _DOC_COMMON = """
             devices) a PyTorch path of the same semantics runs, whatever the variant is.
 
     ``D`` is a multiple of 8 in [16, 256]. The kernels take float16, bfloat16 and float8_e4m3fn (fp8 needs fp8
-    tensor cores: compute capability 8.9+); they multiply in the inputs' precision with fp32 accumulation and an
-    fp32 softmax. fp8 quantises the probabilities to fp8 (scaled by 256 first) for the ``P V`` product, as FA3 does
+    tensor cores: compute capability 8.9+; an Ampere GPU refuses it); they multiply in the inputs' precision with
+    fp32 accumulation and an fp32 softmax. fp8 quantises the probabilities to fp8 (scaled by 256 first) for the ``P V`` product, as FA3 does
     (docs/semantics.md, "Flash attention"). The PyTorch path also takes float32 (and float64 on the CPU) and computes
-    in fp32 (float64). Forward only: no gradient flows (the inputs must not require one).
+    in fp32 (float64); on the kernels' GPUs it runs float32 inputs and inputs with a strided last dimension.
+    Forward only: no gradient flows (the inputs must not require one).
     Bad arguments raise ``TypeError``/``ValueError`` before any kernel runs."""
 
 
-def _no_grad(q, k, v) -> None:
+def _attend(q, k, v, cu_seqlens, max_seqlens, *, causal, causal_alignment, scale, return_lse, out_dtype, q_descale,
+            k_descale, v_descale, variant):
+    """Both public functions past their own argument checks: the common checks, then the custom op."""
+    packed = cu_seqlens[0] is not None
+    checks.flash(q, k, v, packed=packed, causal=causal, causal_alignment=causal_alignment, scale=scale,
+                 return_lse=return_lse, out_dtype=out_dtype, descales=(q_descale, k_descale, v_descale),
+                 variant=variant)
+    if packed:
+        checks.cu_seqlens(*cu_seqlens, q, k, *max_seqlens)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("flash attention is forward only: q, k, v must not require grad (call it under "
                          "torch.no_grad() or detach them)")
-
-
-def _out_dtype(q: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
-    if out_dtype is not None:
-        return out_dtype
-    return torch.bfloat16 if q.dtype == checks.FP8_DTYPE else q.dtype
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if q.dtype == checks.FP8_DTYPE else q.dtype
+    out, lse = custom_ops.flash_attention_fwd(q, k, v, *cu_seqlens, *max_seqlens, scale, causal,
+                                              causal_alignment == "bottom_right", out_dtype, q_descale, k_descale,
+                                              v_descale, variant)
+    return (out, lse) if return_lse else out
 
 
 def flash_attention(
@@ -67,15 +78,9 @@ def flash_attention(
     ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (``Hq % Hkv == 0``); returns ``out [B, Sq, Hq, D]``, and with
     ``return_lse`` also ``lse [B, Hq, Sq]``.
     """
-    checks.flash(q, k, v, packed=False, causal=causal, causal_alignment=causal_alignment, scale=scale,
-                 return_lse=return_lse, out_dtype=out_dtype, descales=(q_descale, k_descale, v_descale),
-                 variant=variant)
-    _no_grad(q, k, v)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = custom_ops.flash_attention_fwd(q, k, v, None, None, None, None, scale, causal,
-                                              causal_alignment == "bottom_right", _out_dtype(q, out_dtype),
-                                              q_descale, k_descale, v_descale, variant)
-    return (out, lse) if return_lse else out
+    return _attend(q, k, v, (None, None), (None, None), causal=causal, causal_alignment=causal_alignment,
+                   scale=scale, return_lse=return_lse, out_dtype=out_dtype, q_descale=q_descale,
+                   k_descale=k_descale, v_descale=v_descale, variant=variant)
 
 
 def flash_attention_varlen(
@@ -111,16 +116,11 @@ def flash_attention_varlen(
     those of ``cu_seqlens``, are checked with a ``ValueError`` on the CPU and by a device-side assertion on a GPU
     (it fails the next synchronising call); the kernels never read or write out of bounds meanwhile.
     """
-    checks.flash(q, k, v, packed=True, causal=causal, causal_alignment=causal_alignment, scale=scale,
-                 return_lse=return_lse, out_dtype=out_dtype, descales=(q_descale, k_descale, v_descale),
-                 variant=variant)
-    checks.cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
-    _no_grad(q, k, v)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = custom_ops.flash_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                              causal, causal_alignment == "bottom_right", _out_dtype(q, out_dtype),
-                                              q_descale, k_descale, v_descale, variant)
-    return (out, lse) if return_lse else out
+    if cu_seqlens_q is None:  # what would make it the dense call
+        raise TypeError("cu_seqlens_q must be a tensor [B + 1]; for [B, S, H, D] inputs use flash_attention")
+    return _attend(q, k, v, (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k), causal=causal,
+                   causal_alignment=causal_alignment, scale=scale, return_lse=return_lse, out_dtype=out_dtype,
+                   q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, variant=variant)
 
 
 for _fn in (flash_attention, flash_attention_varlen):

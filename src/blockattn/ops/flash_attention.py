@@ -67,7 +67,6 @@ _CONFIGS = {
     ("pipelined", False): ((128, FlashConfig(128, 64, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
     ("pipelined", True): ((128, FlashConfig(128, 64, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
     ("warp_specialized", False): ((128, FlashConfig(128, 128, 4, 2)),),
-    ("warp_specialized", True): ((128, FlashConfig(128, 128, 4, 2)),),
 }
 # Ampere and Ada (never measured here): 4 warps and 2 stages, for their 100-164 KB of shared memory.
 _CONFIGS_SM8X = ((128, FlashConfig(128, 64, 4, 2)), (256, FlashConfig(64, 64, 4, 2)))
@@ -94,9 +93,9 @@ def flash_config(variant: str, capability: tuple[int, int], head_dim: int, fp8: 
     while cfg.shared_bytes(width, elem) > shared_limit:
         if cfg.num_stages > 2:
             cfg = FlashConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
-        elif cfg.block_n > 32:
+        elif cfg.block_n > 16:
             cfg = FlashConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages)
-        elif cfg.block_m > 64:
+        elif cfg.block_m > 32:
             cfg = FlashConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, cfg.num_stages)
         else:
             return None, (f"head_dim {head_dim} needs {cfg.shared_bytes(width, elem)} bytes of shared memory at the "
@@ -146,12 +145,12 @@ def _key_end(m0, sq, sk, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIG
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, scores, v, qk_scale_log2, FP8: tl.constexpr):
-    """Fold one key tile's ``scores`` (``-inf`` where masked) and values into the running state."""
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1) * qk_scale_log2)
+def _online_softmax_step(acc, m_i, l_i, scores, v, FP8: tl.constexpr):
+    """Fold one key tile's ``scores`` (scaled to base 2, ``-inf`` where masked) and values into the running state."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so that p and alpha are 0, not NaN.
     m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(scores * qk_scale_log2 - m_new[:, None])
+    p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
@@ -184,12 +183,10 @@ def _key_mask(kn, offs_m, sk, shift, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _finish(acc, m_i, l_i, v_descale_ptr, FP8: tl.constexpr):
+def _finish(acc, m_i, l_i):
     """``(out, lse)`` of the final state; rows that saw no key give 0 and ``-inf``."""
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    if FP8:
-        out = out * (tl.load(v_descale_ptr) / P_SCALE)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     return out, lse
 
@@ -228,16 +225,18 @@ def _flash_fwd_kernel(
     d_cols = column_mask(0, HEAD_DIM, BLOCK_D, HEAD_DIM == BLOCK_D)
     d_rows = None if HEAD_DIM == BLOCK_D else (offs_d < HEAD_DIM)[:, None]
     row_ok = offs_m < tl.where(valid, sq, 0)
-    q_base = q_ptr + batch.to(tl.int64) * stride_qb + (q_start + m0) * stride_qn + head * stride_qh
+    row0 = (q_start + m0).to(tl.int64)  # 64-bit row offsets: N * H * D may pass 2^31
+    q_base = q_ptr + batch.to(tl.int64) * stride_qb + row0 * stride_qn + head * stride_qh
     q = load_or_zero(q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :],
                      _both(row_ok[:, None], d_cols))
     k_base = k_ptr + batch.to(tl.int64) * stride_kb + k_start * stride_kn + kv_head * stride_kh
-    v_base = v_ptr + batch.to(tl.int64) * stride_vb + k_start * stride_vn + kv_head * stride_vh
+    # The transposed fp8 copy of v has head and column strides of D * N and N.
+    v_base = v_ptr + batch.to(tl.int64) * stride_vb + k_start * stride_vn + kv_head.to(tl.int64) * stride_vh
     # 16-bit k as [BLOCK_N, D], transposed for the product; fp8 k as [D, BLOCK_N] (K-major, as fp8 products need)
     # and fp8 v likewise from its transposed copy.
     if FP8:
         k_ptrs = k_base + offs_d[:, None] + offs_n[None, :] * stride_kn
-        v_ptrs = v_base + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn
+        v_ptrs = v_base + offs_d.to(tl.int64)[:, None] * stride_vd + offs_n[None, :] * stride_vn
     else:
         k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
         v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
@@ -261,28 +260,30 @@ def _flash_fwd_kernel(
             k = load_or_zero(k_ptrs, key_rows)
             v = load_or_zero(v_ptrs, key_rows)
             products = tl.dot(q, tl.trans(k))
-        scores = tl.where(_key_mask(kn, offs_m, sk, shift, CAUSAL), products, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v, qk_scale, FP8)
+        # Scaled before masking: a zero descale must not turn the -inf of masked keys into NaN.
+        scores = tl.where(_key_mask(kn, offs_m, sk, shift, CAUSAL), products * qk_scale, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v, FP8)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    out, lse = _finish(acc, m_i, l_i, v_descale_ptr, FP8)
-    o_base = o_ptr + batch.to(tl.int64) * stride_ob + (q_start + m0) * stride_on + head * stride_oh
+    out, lse = _finish(acc, m_i, l_i)
+    if FP8:
+        out = out * (tl.load(v_descale_ptr) / P_SCALE)
+    o_base = o_ptr + batch.to(tl.int64) * stride_ob + row0 * stride_on + head * stride_oh
     tl.store(o_base + tl.arange(0, BLOCK_M)[:, None] * stride_on + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=_both(row_ok[:, None], d_cols))
-    lse_base = lse_ptr + batch.to(tl.int64) * stride_lb + head * stride_lh + q_start + m0
+    lse_base = lse_ptr + batch.to(tl.int64) * stride_lb + head * stride_lh + row0
     tl.store(lse_base + tl.arange(0, BLOCK_M), lse, mask=row_ok)
 
 
 @triton.jit
 def _flash_fwd_tma_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, block_cum_ptr, block_seq_ptr,
-    q_descale_ptr, k_descale_ptr, v_descale_ptr,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
+    stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn,
+    stride_ob, stride_on, stride_lb, stride_lh,
     seqlen_q, seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """The ``warp_specialized`` variant: the same program as :func:`_flash_fwd_kernel`, loading through TMA
@@ -305,12 +306,8 @@ def _flash_fwd_tma_kernel(
                                        [stride_on, 1], [BLOCK_M, HEAD_DIM])
     desc_k = tl.make_tensor_descriptor(k_ptr + batch.to(tl.int64) * stride_kb, [k_rows, NUM_KV_HEADS * HEAD_DIM],
                                        [stride_kn, 1], [BLOCK_N, HEAD_DIM])
-    if FP8:  # the transposed copy: [H * D, tokens]
-        desc_v = tl.make_tensor_descriptor(v_ptr + batch.to(tl.int64) * stride_vb,
-                                           [NUM_KV_HEADS * HEAD_DIM, k_rows], [stride_vd, 1], [HEAD_DIM, BLOCK_N])
-    else:
-        desc_v = tl.make_tensor_descriptor(v_ptr + batch.to(tl.int64) * stride_vb,
-                                           [k_rows, NUM_KV_HEADS * HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM])
+    desc_v = tl.make_tensor_descriptor(v_ptr + batch.to(tl.int64) * stride_vb, [k_rows, NUM_KV_HEADS * HEAD_DIM],
+                                       [stride_vn, 1], [BLOCK_N, HEAD_DIM])
     valid = (m0 >= 0) & (m0 < sq)
     q_row = tl.where(valid, q_start + m0, q_rows).to(tl.int32)  # invalid: the first row past the descriptor
     k_row = k_start.to(tl.int32)
@@ -319,7 +316,6 @@ def _flash_fwd_tma_kernel(
     q = desc_q.load([q_row, q_col])
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    qk_scale = _descaled(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
     shift = sk - sq if BOTTOM_RIGHT else 0
     end = _key_end(m0, sq, sk, BLOCK_M, CAUSAL, BOTTOM_RIGHT)
     end = tl.where(valid, end, 0)
@@ -330,33 +326,35 @@ def _flash_fwd_tma_kernel(
     # the exponentials).
     for start_n in tl.range(0, end, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
         k = desc_k.load([k_row + start_n, kv_col])
-        if FP8:
-            v = desc_v.load([kv_col, k_row + start_n]).T
-        else:
-            v = desc_v.load([k_row + start_n, kv_col])
+        v = desc_v.load([k_row + start_n, kv_col])
         kn = start_n + offs_n
-        scores = tl.where(_key_mask(kn, offs_m, sk, shift, CAUSAL), tl.dot(q, k.T), float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v, qk_scale, FP8)
-    out, lse = _finish(acc, m_i, l_i, v_descale_ptr, FP8)
+        scores = tl.where(_key_mask(kn, offs_m, sk, shift, CAUSAL), tl.dot(q, k.T) * qk_scale_log2, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, scores, v, False)
+    out, lse = _finish(acc, m_i, l_i)
     desc_o.store([q_row, q_col], out.to(o_ptr.dtype.element_ty))
     lse_base = lse_ptr + batch.to(tl.int64) * stride_lb + head * stride_lh + q_start + m0
     tl.store(lse_base + tl.arange(0, BLOCK_M), lse, mask=(offs_m >= 0) & (offs_m < sq))
 
 
 def _allocate_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for the descriptors the TMA kernel builds on the device."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Global scratch for the descriptors the TMA kernel builds on the device (the current device's)."""
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
 
 
 def _batch_strides(prefix: str, t: torch.Tensor, dense: bool) -> dict:
-    """``stride_{prefix}b/n/h`` of a dense ``[B, S, H, D]`` or a packed ``[N, H, D]`` tensor (batch stride 0)."""
-    b, n, h = t.stride()[:3] if dense else (0, *t.stride()[:2])
-    return {f"stride_{prefix}b": b, f"stride_{prefix}n": n, f"stride_{prefix}h": h}
+    """``stride_{prefix}b/n`` of a dense ``[B, S, H, D]`` or a packed ``[N, H, D]`` tensor (batch stride 0)."""
+    b, n = t.stride()[:2] if dense else (0, t.stride(0))
+    return {f"stride_{prefix}b": b, f"stride_{prefix}n": n}
+
+
+def _head_strides(*named: tuple[str, torch.Tensor]) -> dict:
+    """The head strides the pipelined kernel reads (the TMA kernel's rows hold the heads side by side)."""
+    return {f"stride_{prefix}h": t.stride(-2) for prefix, t in named}
 
 
 def transposed_values(v: torch.Tensor) -> torch.Tensor:
     """``v`` with tokens innermost, the layout fp8 products need: a view ``[.., tokens, H, D]`` of a ``[.., H, D,
-    tokens]`` copy whose rows are padded to 16 bytes (TMA's stride alignment)."""
+    tokens]`` copy whose rows are padded to 16 bytes (aligned, vectorised loads)."""
     *lead, tokens, heads, d = v.shape
     padded = torch.empty((*lead, heads, d, triton.cdiv(max(tokens, 1), 16) * 16), dtype=v.dtype, device=v.device)
     copy = padded[..., :tokens]
@@ -403,22 +401,23 @@ def flash_attention_fwd_triton(
         block_cum, block_seq = table
     if slots == 0:  # no query row (N or B * Sq is 0)
         return out, lse
-    q_descale, k_descale, v_descale = descales if fp8 else (q, q, q)
     args = dict(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k,
         block_cum_ptr=block_cum, block_seq_ptr=block_seq,
-        q_descale_ptr=q_descale, k_descale_ptr=k_descale, v_descale_ptr=v_descale,
         **_batch_strides("q", q, dense), **_batch_strides("k", k, dense), **_batch_strides("v", v, dense),
-        stride_vd=v.stride(-1), **_batch_strides("o", out, dense), **lse_strides,
+        **_batch_strides("o", out, dense), **lse_strides,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, tiles_per_seq=tiles_per_seq, num_seqs=num_seqs,
         num_q_tokens=q.shape[0], num_k_tokens=k.shape[0], qk_scale_log2=scale * LOG2E,
-        HEAD_DIM=d, BLOCK_D=block_d(d, fp8), BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=hq // k.shape[-2],
-        VARLEN=not dense, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, FP8=fp8, NUM_STAGES=config.num_stages,
+        HEAD_DIM=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=hq // k.shape[-2],
+        VARLEN=not dense, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
     )
     grid = (slots, hq)
     if variant == "pipelined":
-        _flash_fwd_kernel[grid](**args)
+        q_descale, k_descale, v_descale = descales if fp8 else (q, q, q)  # never read without fp8
+        _flash_fwd_kernel[grid](**args, q_descale_ptr=q_descale, k_descale_ptr=k_descale, v_descale_ptr=v_descale,
+                                **_head_strides(("q", q), ("k", k), ("v", v), ("o", out)), stride_vd=v.stride(-1),
+                                BLOCK_D=block_d(d, fp8), FP8=fp8)
     else:
         triton.set_allocator(_allocate_scratch)
         _flash_fwd_tma_kernel[grid](**args, NUM_Q_HEADS=hq, NUM_KV_HEADS=k.shape[-2],

@@ -55,5 +55,5 @@ def flash_attention_fwd_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale: float,
             out[rows], lse[:, rows] = o.transpose(0, 1), l
     if dense:
         out = out.unflatten(0, (batch, seqlen_q))
-        lse = lse.unflatten(1, (batch, seqlen_q)).transpose(0, 1)
+        lse = lse.unflatten(1, (batch, seqlen_q)).transpose(0, 1).contiguous()  # [B, H, Sq], as the kernels
     return out.to(out_dtype), lse.float()
