@@ -144,7 +144,6 @@ def select(call, backends: dict[str, Backend] | None = None) -> Backend:
     raise ValueError(f"no backend takes {call}: " + "; ".join(reasons))
 
 
-
 # --------------------------------------------------------------------------------------------------------------------
 # Flash attention (whole sequences): one forward launcher per backend,
 # ``forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal, bottom_right, out_dtype, descales, config)
