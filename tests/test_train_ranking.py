@@ -117,15 +117,28 @@ def test_fsdp2_gradients_and_resume(tmp_path):
     assert resumed["start_step"] == 2 and resumed["losses"] == whole["losses"][2:]
 
 
-# Loading the AOTInductor package (aoti_load_package) crashed the process with torch 2.11, on the CPU and on the GPU
-# (H100 and H200, 2026-11-23); it works with torch 2.13.
-AOTI_LOADS = torch.__version__ >= (2, 13)
+# A package of a model without any blockattn op, compiled and loaded in a child process: in the GPU machines' image
+# (torch 2.11.0+cu130, Python 3.12, 2026-11-23) aoti_load_package crashes the process on any package, this one
+# included, on the CPU and the GPU; with torch 2.11 on Python 3.11 and with torch 2.13 it loads.
+PLAIN_AOTI = """
+import torch
+m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+x = torch.randn(8, 16)
+path = torch._inductor.aoti_compile_and_package(torch.export.export(m, (x,)), package_path=__import__("sys").argv[1])
+assert (torch._inductor.aoti_load_package(path)(x) - m(x)).abs().max() < 1e-5
+"""
 
 
-@pytest.mark.skipif(not AOTI_LOADS, reason="aoti_load_package of this model crashes torch < 2.13")
+def aoti_loads_here(tmp_path) -> bool:
+    return subprocess.run([sys.executable, "-c", PLAIN_AOTI, str(tmp_path / "plain.pt2")], capture_output=True,
+                          timeout=600, check=False).returncode == 0
+
+
 def test_export_and_aoti_through_the_example(tmp_path):
     """The example's --export --aoti after a short CPU run: the exported program and the AOTInductor package match
     eager on batches of other sizes (one sequence included)."""
+    if not aoti_loads_here(tmp_path):
+        pytest.skip("aoti_load_package crashes here even on a package of plain nn.Linear layers (no blockattn op)")
     summary = run(*TINY, "--device", "cpu", "--steps", 1, "--eval-batches", "0", "--export", tmp_path / "r.pt2",
                   "--aoti")
     assert summary["export_max_err"] < 1e-5 and summary["aoti_max_err"] < 1e-4, summary
@@ -173,8 +186,8 @@ def test_gpu_bf16_training_loss_falls(compile):
 @requires_gpu
 @pytest.mark.gpu
 def test_gpu_resume_and_export(tmp_path):
-    """On the GPU: resume continues the curve; torch.export matches eager on batches of other sizes. (Loading an
-    AOTInductor package of this model crashed the process with torch 2.11: examples/README.md.)"""
+    """On the GPU: resume continues the curve; torch.export matches eager on batches of other sizes. (AOTInductor
+    packages do not load in the GPU machines' image at all: examples/README.md.)"""
     args = [*GPU_SMALL, "--device", "cuda", "--ckpt", tmp_path / "ckpt", "--eval-batches", "0"]
     whole = run(*args, "--steps", 4, "--save-every", 3)
     (tmp_path / "ckpt" / "latest").write_text("step-00000003")
