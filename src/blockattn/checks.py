@@ -23,8 +23,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT64_DEVICES = ("cpu", "meta")
 OFFSET_DTYPES = (torch.int32, torch.int64)
 FP8_DTYPE = torch.float8_e4m3fn
-# Flash attention: the kernels take fp16, bf16 and fp8; the PyTorch path (devices the kernels do not serve) fp32 and
-# float64 too. Outputs of fp8 inputs are 16-bit or fp32.
+# Flash attention: the kernels take fp16, bf16 and fp8; the PyTorch path takes float32 too (on any device) and float64
+# on the CPU. Outputs are 16-bit or fp32.
 FLASH_DTYPES = (torch.float16, torch.bfloat16, FP8_DTYPE, torch.float32)
 FLASH_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
