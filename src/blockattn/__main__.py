@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         return info()
     if args.dense:
         given = [flag(f) for f in ("preset", *CUSTOM_FLAGS) if getattr(args, f) is not None]
-        given += ["--rotary"] * args.rotary + ["--dtype"] * (args.dtype is not None)
+        given += (["--rotary"] * args.rotary + ["--dtype"] * (args.dtype is not None)
+                  + ["--baselines"] * (args.baselines is not None))
         if given:
             args.usage_error(f"--dense times its own shapes; it takes no {', '.join(given)}")
         return bench(args, [])
