@@ -113,6 +113,21 @@ def test_kernels_dense(variant, causal, bottom_right, poisoned_outputs):
                           bottom_right)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernels_grid_cut_by_max_seqlen(causal, poisoned_outputs):
+    """The grid the ``max_seqlen_q`` hint allows (B * ceil(max / BLOCK_M) slots, fewer than the block table's)
+    still covers every row."""
+    q, k, v, cu_q, cu_k = packed_inputs([32, 32, 0, 30], [20, 5, 33, 70], 2, 1, 64, torch.float16, KERNEL_DEVICE)
+    cfg = INTERPRETER_CONFIG
+    table = build_block_table(cu_q, q.shape[0], cfg.block_m)
+    slots = 4 * -(-32 // cfg.block_m)
+    assert slots < table.num_slots
+    table = type(table)(table.block_cum, table.block_seq[:slots])
+    out, lse = FLASH_BACKENDS["pipelined"].forward(q, k, v, cu_q, cu_k, table, 0.125, causal, False, q.dtype, None,
+                                                   cfg)
+    assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, False)
+
+
 GPU_SHAPES = [(1, 1, 1), (2, 17, 17), (4, 128, 128), (1, 257, 257), (2, 512, 1024), (2, 1024, 512), (1, 2048, 2048)]
 
 

@@ -65,7 +65,7 @@ class FlashConfig:
 # producer and consumer groups itself).
 _CONFIGS = {
     ("pipelined", False): ((128, FlashConfig(128, 64, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
-    ("pipelined", True): ((128, FlashConfig(128, 64, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
+    ("pipelined", True): ((128, FlashConfig(128, 128, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
     ("warp_specialized", False): ((128, FlashConfig(128, 128, 4, 2)),),
 }
 # Ampere and Ada (never measured here): 4 warps and 2 stages, for their 100-164 KB of shared memory.
