@@ -60,9 +60,9 @@ class FlashConfig:
                 + 2 * self.block_m * self.block_n) * element_size
 
 
-# Swept on an H100 (benchmarks/tune_flash_attention.py: B 4, S 4096, H 16; docs/benchmarks.md); keyed by (variant,
-# fp8), then head dims up to. The warp-specialised loop takes 4 warps (Triton's Hopper pass splits them into a
-# producer and consumer groups itself).
+# Swept on an H100 (benchmarks/tune_flash_attention.py: B 4, S 4096 and 8192, H 16; docs/benchmarks.md); keyed by
+# (variant, fp8), then head dims up to. The warp-specialised loop takes 4 warps (Triton's Hopper pass splits them
+# into a producer and consumer groups itself).
 _CONFIGS = {
     ("pipelined", False): ((128, FlashConfig(128, 64, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
     ("pipelined", True): ((128, FlashConfig(128, 128, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
