@@ -77,16 +77,16 @@ def finite_positive(name: str, value, optional: bool = False) -> None:
         raise ValueError(f"{name} must be a finite positive float{' or None' if optional else ''}, got {value!r}")
 
 
-def offsets(value, like: torch.Tensor | None = None, like_name: str = "") -> None:
-    """``offsets [B + 1]``, int32 or int64 (on the device of ``like`` when given); its values are checked where the
-    block table is built."""
-    tensor("offsets", value)
+def offsets(value, like: torch.Tensor | None = None, like_name: str = "", name: str = "offsets") -> None:
+    """``offsets [B + 1]`` (or cumulative lengths called ``name``), int32 or int64 (on the device of ``like`` when
+    given); its values are checked where the block table is built."""
+    tensor(name, value)
     if value.dim() != 1 or value.numel() < 1:
-        raise ValueError(f"offsets must be 1-D [B + 1] with at least one element, got shape {tuple(value.shape)}")
+        raise ValueError(f"{name} must be 1-D [B + 1] with at least one element, got shape {tuple(value.shape)}")
     if value.dtype not in OFFSET_DTYPES:
-        raise TypeError(f"offsets must be int32 or int64, got {value.dtype}")
+        raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
     if like is not None and value.device != like.device:
-        raise ValueError(f"offsets must be on the device of {like_name} ({like.device}), got {value.device}")
+        raise ValueError(f"{name} must be on the device of {like_name} ({like.device}), got {value.device}")
 
 
 def attention(q, k, v, offsets_, block, scale) -> None:
@@ -290,13 +290,7 @@ def cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> None:
     """``cu_seqlens_q``, ``cu_seqlens_k`` (``[B + 1]``, int32/int64, on the device of ``q``, of one length) and the
     optional ``max_seqlen`` hints; the values are checked where the block table is built."""
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-        tensor(name, cu)
-        if cu.dim() != 1 or cu.numel() < 1:
-            raise ValueError(f"{name} must be 1-D [B + 1] with at least one element, got shape {tuple(cu.shape)}")
-        if cu.dtype not in OFFSET_DTYPES:
-            raise TypeError(f"{name} must be int32 or int64, got {cu.dtype}")
-        if cu.device != q.device:
-            raise ValueError(f"{name} must be on the device of q ({q.device}), got {cu.device}")
+        offsets(cu, q, "q", name)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length B + 1, got {cu_q.numel()} and "
                          f"{cu_k.numel()}")
