@@ -16,6 +16,7 @@ from blockattn.block_table import build_block_table
 from blockattn.checks import FP8_DTYPE
 from blockattn.ops import flash_attention as flash_ops
 from blockattn.reference import flash_attention_reference, snr_db
+from blockattn.reference import quantised_fp8 as quantised
 
 VARIANTS = ["pipelined", "warp_specialized"]
 # The interpreter runs small tiles (fast, and several tiles per sequence); a GPU runs the tuned configuration.
@@ -32,12 +33,6 @@ def packed_inputs(lengths_q, lengths_k, hq, hkv, d, dtype, device):
     k = torch.randn(sum(lengths_k), hkv, d, device=device)
     v = torch.randn(sum(lengths_k), hkv, d, device=device)
     return (*(t.to(dtype) for t in (q, k, v)), cu_q, cu_k)
-
-
-def quantised(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t8, descale)``: per-tensor fp8 e4m3 with ``t ~ t8 * descale``."""
-    descale = (t.abs().amax().float() / 448.0).clamp(min=1e-12).reshape(1)
-    return (t / descale).to(FP8_DTYPE), descale
 
 
 def dequantised(t8, descale):

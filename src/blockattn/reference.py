@@ -102,6 +102,13 @@ def rotary_reference(
     return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
 
 
+def quantised_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t8, descale)``: ``t`` quantised per tensor to float8_e4m3fn (its largest magnitude at e4m3's largest
+    finite value, 448), with ``t ~ t8 * descale``."""
+    descale = (t.abs().amax().float() / 448.0).clamp(min=1e-12).reshape(1)
+    return (t / descale).to(torch.float8_e4m3fn), descale
+
+
 def snr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Signal-to-noise ratio of ``out`` against ``ref`` in dB: ``10 log10(|ref|^2 / |out - ref|^2)``."""
     noise = (out.double() - ref.double()).pow(2).sum().item()

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 from blockattn import flash_attention, flash_attention_varlen
-from blockattn.checks import FP8_DTYPE
-from blockattn.reference import snr_db
+from blockattn.reference import quantised_fp8, snr_db
 
 from .harness import FAILED, UNAVAILABLE, describe, free_memory, time_ms
 from .presets import PRESETS
@@ -49,16 +48,11 @@ SHAPES = [DenseShape(b, s, d, c) for d in (64, 128) for c in (False, True) for b
 VARLEN_PRESET = "long"
 
 
-def _quantised(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    descale = (t.abs().amax().float() / 448.0).clamp(min=1e-12).reshape(1)
-    return (t / descale).to(FP8_DTYPE), descale
-
-
 def _ours(variant: str, fp8: bool, varlen: tuple | None, causal: bool):
     def make(q, k, v):
         extra = {}
         if fp8:
-            (q, qs), (k, ks), (v, vs) = _quantised(q), _quantised(k), _quantised(v)
+            (q, qs), (k, ks), (v, vs) = quantised_fp8(q), quantised_fp8(k), quantised_fp8(v)
             extra = {"q_descale": qs, "k_descale": ks, "v_descale": vs, "out_dtype": torch.bfloat16}
         if varlen is None:
             return lambda: flash_attention(q, k, v, causal=causal, variant=variant, **extra)
