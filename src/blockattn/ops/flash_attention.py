@@ -83,6 +83,7 @@ def shared_memory_limit(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
 
 
+@functools.cache  # the dispatcher's check and the launch ask the same question on every call
 def flash_config(variant: str, capability: tuple[int, int], head_dim: int, fp8: bool,
                  shared_limit: int) -> tuple[FlashConfig | None, str | None]:
     """The tuned configuration, with stages then key tiles shrunk until it fits ``shared_limit`` bytes of shared
