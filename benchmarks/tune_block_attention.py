@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from blockattn.bench.harness import copy_bandwidth_tbps, floor_bytes, make_case, time_ms
+from blockattn.ops.in_block import PLAIN
 from blockattn.bench.presets import PRESETS
 from blockattn.block_table import build_block_table
 from blockattn.ops import block_attention as triton_ops
@@ -38,7 +39,7 @@ def tune(w, tbps: float, rep_ms: int) -> None:
     # per program with that many head-dim slices each.
     for warps, cap, slices in itertools.product((4, 8), (None, 168, 128), [None, *sorted({1, chunks})]):
         ms = time_ms(partial(triton_ops.block_attention_bwd_triton, case.do, case.q, case.k, case.v, case.offsets,
-                             case.table, bs, scale, None, 0, grads, num_warps=warps, maxnreg=cap,
+                             case.table, bs, scale, None, 0, PLAIN, grads, num_warps=warps, maxnreg=cap,
                              slices_per_program=slices), rep_ms)
         print(f"  bwd warps={warps} maxnreg={cap} slices/program={slices}: {ms:.3f} ms = "
               f"{ms / floors['bwd']:.3f} x floor")

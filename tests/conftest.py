@@ -20,6 +20,7 @@ import pytest
 from blockattn import backends
 from blockattn.block_table import build_block_table
 from blockattn.ops import tiles
+from blockattn.ops.in_block import PLAIN
 from blockattn.ops.tiles import ROTATE_BITS
 from blockattn.reference import block_attention_reference, rotary_reference
 
@@ -79,17 +80,21 @@ def random_angles(num_tokens, head_dim, dtype=torch.float32, device="cpu"):
     return torch.cat([theta.sin(), theta.cos()], dim=1).to(dtype)
 
 
-def run_backend(name, q, k, v, do, offsets, block_size, sinu_pos=None, rotate=0, grads=None, **options):
-    """``(out, dq, dk, dv)`` of one backend's launchers (``backends.BACKENDS[name]``), bypassing the dispatcher;
-    ``options`` go to the backward launcher (the Triton kernels' tuning overrides)."""
+def run_backend(name, q, k, v, do, offsets, block_size, sinu_pos=None, rotate=0, grads=None, in_block=PLAIN,
+                **options):
+    """``(out, dq, dk, dv)`` of one backend's launchers (``backends.BACKENDS[name]``), bypassing the dispatcher,
+    then the gradients of ``in_block``'s biases where it has them; ``options`` go to the backward launcher (the
+    Triton kernels' tuning overrides)."""
     backend = backends.BACKENDS[name]
     scale = 1.0 / math.sqrt(q.shape[-1])
     table = build_block_table(offsets, q.shape[0], block_size)
     rotate = rotate if sinu_pos is not None else 0
-    out = backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate) if backend.forward else None
+    out = (backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, in_block) if backend.forward
+           else None)
     grads = grads or (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
-    backend.backward(do, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, grads, **options)
-    return (out, *grads)
+    bias_grads = backend.backward(do, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, in_block, grads,
+                                  **options)
+    return (out, *grads, *(g for g in bias_grads if g is not None))
 
 
 def run_kernels(q, k, v, do, offsets, block_size, sinu_pos=None, rotate=0, **options):

@@ -8,8 +8,9 @@ from blockattn.backends import BACKENDS, AttentionCall, select
 
 
 def call(pass_name="bwd", device="cuda", dtype=torch.bfloat16, heads=(4, 4), head_dim=128, block_size=64, rotate=0,
-         tma_rows=True):
-    return AttentionCall(pass_name, torch.device(device), dtype, *heads, head_dim, block_size, rotate, tma_rows)
+         in_block=0, tma_rows=True):
+    return AttentionCall(pass_name, torch.device(device), dtype, *heads, head_dim, block_size, rotate=rotate,
+                         in_block=in_block, tma_rows=tma_rows)
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_gpus_before_ampere_fall_back_to_pytorch(capability, gpu_capability):
     "changes,reason",
     [({"block_size": 128}, "64-token blocks"), ({"head_dim": 64}, "D = 128"), ({"heads": (4, 2)}, "no GQA"),
      ({"dtype": torch.float32}, "float16 and bfloat16"), ({"tma_rows": False}, "rows"),
-     ({"pass_name": "fwd"}, "no fwd kernel")],
+     ({"pass_name": "fwd"}, "no fwd kernel"), ({"in_block": 1}, "in-block options")],
 )
 def test_hopper_backward_takes_only_its_shape(changes, reason, gpu_capability):
     gpu_capability((9, 0))

@@ -15,6 +15,7 @@ from conftest import HAS_GPU, make_offsets, random_angles, requires_gpu
 
 from blockattn.__main__ import build_parser, main, make_console, print_report, workloads_from_args
 from blockattn.bench import harness
+from blockattn.bench import options as options_bench
 from blockattn.bench.baselines import (
     BASELINES,
     NEEDS,
@@ -78,6 +79,9 @@ def test_cli_custom_workload():
     (["--baselines", "FA2 varlen (aten)", "nope"], "argument --baselines: invalid choice: 'nope'"),
     (["--seqs", "10", "--max-len", "100", "--head-dim", "64"], "also needs --heads"),
     (["--sparsity", "0.5"], "a custom workload (--sparsity) also needs --seqs, --max-len, --heads, --head-dim"),
+    (["--dense", "--options"], "--dense times its own shapes; it takes no --options"),
+    (["--options", "--rotary"], "--options times its own baselines on the plain op; it takes no --rotary"),
+    (["--options", "--preset", "ads", "short"], "--options times one workload, got 2"),
 ])
 def test_cli_rejects_bad_flags_before_anything(argv, message, capsys):
     """Usage errors, exit status 2, whether or not there is a GPU: nothing runs first."""
@@ -561,3 +565,39 @@ def test_small_gpu_run(tmp_path):
             ("qkv", "blockattn qkv_block_attention")} <= timed
     assert any(a["impl"] == "blockattn" and a["snr_dq_db"] > 45 for a in data["accuracy"])
     assert (tmp_path / "bench.png").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_GPU else []))
+@pytest.mark.parametrize("option", [o for o in options_bench.OPTION_SETS if o != "dropout"])
+def test_options_baselines_compute_the_same(option, device):
+    """The in-block options built from FlexAttention (eager on the CPU, which has no Flex backward there) and from
+    padded SDPA with a bias tensor give blockattn's output and gradients."""
+    w = Workload("options-test", 5, 10, 150, 2, 2, 16, block_size=16, dtype="float32")
+    inputs = options_bench._Inputs(w, seed=3, device=device)
+    kwargs = inputs.options(option)
+    results = {}
+    for name, build in options_bench.IMPLEMENTATIONS.items():
+        calls = build(inputs, kwargs)
+        if device == "cpu" and name.startswith("FlexAttention"):
+            with torch.no_grad():
+                results[name] = [calls["out"]()]
+            continue
+        out = calls["out"]()
+        results[name] = [out, *torch.autograd.grad(out, calls["leaves"], inputs.case.do)]
+    ours = results.pop(options_bench.OURS)
+    for name, got in results.items():
+        for g, want in zip(got, ours):
+            assert snr_db(g.detach(), want.detach()) > 60, name
+
+
+@requires_gpu
+def test_small_gpu_options_run(tmp_path):
+    code = main(["bench", "--options", "--seqs", "32", "--max-len", "400", "--heads", "2", "--head-dim", "64",
+                 "--rep-ms", "10", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "options.json").read_text())
+    ours = {(r["option"], r["pass"]) for r in data["results"] if r["impl"] == options_bench.OURS}
+    assert ours == set(itertools.product(options_bench.OPTION_SETS, ("fwd", "bwd", "fwdbwd")))
+    assert all(r["ms"] > 0 and r["x_floor"] > 0 for r in data["results"])
+    flex = [s for s in data["skipped"] if s["impl"].startswith("FlexAttention")]
+    assert [s["option"] for s in flex] == ["dropout"], flex

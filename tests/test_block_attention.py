@@ -167,8 +167,8 @@ def test_fake_tensor_propagation():
         out = blockattn.block_attention(q, k, k, offsets)
         _, block_cum, block_seq = torch.ops.blockattn.block_attention_fwd(q, k, k, offsets, None, 64, 0.125, 0)
         assert block_cum.shape == (2,) and block_seq.shape == ((100 + 2 * 63) // 64,)
-        dq, dk, dv = torch.ops.blockattn.block_attention_bwd(out, q, k, k, offsets, None, block_cum, block_seq, 64,
-                                                             0.125, 0)
+        dq, dk, dv, *_ = torch.ops.blockattn.block_attention_bwd(out, q, k, k, offsets, None, block_cum, block_seq,
+                                                                 64, 0.125, 0)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 

@@ -220,7 +220,7 @@ def test_factory_kwargs_reset_parameters_and_repr():
         ({"d_model": 64, "num_heads": 4, "rotate": "qk"}, TypeError, "rotate"),
         ({"d_model": 64, "num_heads": 4, "rotary_base": 0.0}, ValueError, "rotary_base"),
         ({"d_model": 64, "num_heads": 4, "rotary_base": math.inf}, ValueError, "rotary_base"),
-        ({"d_model": 64, "num_heads": 4, "dropout": 0.1}, ValueError, "dropout=0.1 is not supported"),
+        ({"d_model": 64, "num_heads": 4, "causal": 1}, TypeError, "causal must be a bool"),
         ({"d_model": 64, "num_heads": 4, "dropout": 1.5}, ValueError, "dropout must be a float in \\[0, 1\\)"),
     ],
 )
@@ -350,3 +350,21 @@ def test_gpu_cuda_graph_training_step():
         torch.testing.assert_close(static_loss, want, atol=1e-5, rtol=1e-4)
     for a, b in zip(graphed.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_layer_causal_and_dropout_in_training_only():
+    """``causal`` is the op's in-block mask; ``dropout`` applies in training mode and not in eval mode, where the
+    layer equals one built without it."""
+    torch.manual_seed(0)
+    layer = BlockSelfAttention(32, 2, block_size=16, causal=True, dropout=0.3)
+    plain = BlockSelfAttention(32, 2, block_size=16, causal=True)
+    plain.load_state_dict(layer.state_dict())
+    x, offsets = torch.randn(40, 32), torch.tensor([0, 25, 40])
+    layer.eval()
+    assert torch.equal(layer(x, offsets), plain(x, offsets))
+    layer.train()
+    assert not torch.allclose(layer(x, offsets), plain(x, offsets))
+    layer.eval()
+    changed = x.clone()
+    changed[1:] = torch.randn(39, 32)  # causal: the first token sees only itself
+    assert torch.allclose(layer(changed, offsets)[0], layer(x, offsets)[0])

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="time flash attention instead (whole sequences: dense shapes B 1/4, S 512-16384, D 64/128, "
                             "causal and not, and varlen on the long preset's lengths) against SDPA cuDNN/flash and "
                             "FA2 varlen; writes dense.json and dense.png")
+    bench.add_argument("--options", action="store_true",
+                       help="time the in-block options instead (causal, position and time biases, dropout, each alone "
+                            "and causal + both biases) on one workload (default: ads) against the plain op, "
+                            "FlexAttention and padded SDPA with a bias; writes options.json")
     bench.add_argument("--baselines", nargs="*", choices=list(BASELINES), metavar="NAME", default=None,
                        help="baselines to run (default: all): " + ", ".join(f"'{b}'" for b in BASELINES))
     bench.add_argument("--rep-ms", type=at_least(1), default=300, help="time spent repeating each measurement")
@@ -245,6 +249,25 @@ def dense_bench(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def options_bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
+    """``bench --options``: the in-block options on one workload; exit status 1 where blockattn failed."""
+    from rich.progress import Progress
+    from rich.text import Text
+
+    from .bench import options
+
+    console = make_console()
+    with Progress(console=console, transient=True) as progress:
+        report = options.run(workloads[0], rep_ms=args.rep_ms, seed=args.seed, progress=progress)
+    path = options.write_file(report, args.out)
+    options.print_report(report, console)
+    console.print(Text(f"wrote {path}"))
+    failures = [s for s in report["skipped"] if s["status"] == harness.FAILED and harness.uses_blockattn(s["impl"])]
+    for s in failures:
+        console.print(Text(f"FAILED: {s['impl']} with {s['option']}: {s['reason']}", style="bold red"))
+    return 1 if failures else 0
+
+
 def bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
     """Exit status 1 where blockattn or a whole workload failed (the report says which); 0 otherwise."""
     if not torch.cuda.is_available():
@@ -258,6 +281,8 @@ def bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
         raise SystemExit(f"blockattn bench needs {' and '.join(missing)}: pip install 'blockattn[bench]'")
     if args.dense:
         return dense_bench(args)
+    if args.options:
+        return options_bench(args, workloads)
     from rich.progress import Progress
     from rich.text import Text
 
@@ -376,10 +401,16 @@ def main(argv: list[str] | None = None) -> int:
         given = [flag(f) for f in ("preset", *CUSTOM_FLAGS) if getattr(args, f) is not None]
         given += (["--rotary"] * args.rotary + ["--dtype"] * (args.dtype is not None)
                   + ["--baselines"] * (args.baselines is not None))
-        if given:
-            args.usage_error(f"--dense times its own shapes; it takes no {', '.join(given)}")
+        if given or args.options:
+            args.usage_error(f"--dense times its own shapes; it takes no {', '.join(given or ['--options'])}")
         return bench(args, [])
-    return bench(args, workloads_from_args(args))
+    workloads = workloads_from_args(args)
+    if args.options:
+        if args.rotary or args.baselines is not None:
+            args.usage_error("--options times its own baselines on the plain op; it takes no --rotary or --baselines")
+        if len(workloads) != 1:
+            args.usage_error(f"--options times one workload, got {len(workloads)}")
+    return bench(args, workloads)
 
 
 if __name__ == "__main__":

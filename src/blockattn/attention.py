@@ -7,6 +7,7 @@ import math
 import torch
 
 from . import checks, custom_ops
+from .ops.in_block import DEFAULT_BUCKET_WIDTH
 
 
 def block_attention(
@@ -19,8 +20,15 @@ def block_attention(
     scale: float | None = None,
     sinu_pos: torch.Tensor | None = None,
     rotate: tuple[str, ...] = ("q", "k", "v"),
+    causal: bool = False,
+    pos_bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    time_bias: torch.Tensor | None = None,
+    time_bucket_width: float = DEFAULT_BUCKET_WIDTH,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Block-diagonal attention on jagged sequences, optionally with a fused rotary embedding.
+    """Block-diagonal attention on jagged sequences, optionally with a fused rotary embedding and what
+    recommendation models put inside a block (a causal mask, relative position and time biases, dropout).
 
     Every sequence ``b`` (rows ``offsets[b]:offsets[b+1]``) is cut into blocks of ``block_size`` tokens from its
     first token; each token attends, bidirectionally, to the tokens of its own block only:
@@ -43,6 +51,21 @@ def block_attention(
             inputs. ``sinu_pos`` is a constant: it gets no gradient (it must not require one).
         rotate: which of ``"q"``, ``"k"``, ``"v"`` to rotate (all three by default, as in the workload this
             comes from; standard RoPE is ``("q", "k")``). Ignored without ``sinu_pos``.
+        causal: within each block, query ``i`` sees keys ``j <= i`` only (positions inside the block).
+        pos_bias: learnable relative position bias ``[Hq, 2 * block_size - 1]`` (float32 or the inputs' dtype):
+            ``scale * q_i . k_j + pos_bias[h, j - i + block_size - 1]``.
+        timestamps, time_bias: ``timestamps [N]`` (int64, int32 or float32, e.g. seconds; nested ``[B, j]`` like
+            ``q`` too) and a learnable ``time_bias [Hq, num_buckets]``: adds ``time_bias[h, bucket(t_j - t_i)]``
+            with ``bucket(dt) = min(num_buckets - 1, floor(ln(max(|dt|, 1)) / time_bucket_width))``, ``|dt|``
+            rounded to fp32 (``time_bucket_width >= 0.001``). ``timestamps`` get no gradient.
+        dropout_p: dropout on the probabilities (after the softmax, kept ones scaled by ``1 / (1 - p)``), from a
+            counter-based generator in the kernels seeded by ``torch``'s generator: reproducible from
+            ``torch.manual_seed``, a new mask at each call and each CUDA-graph replay, the backward using the
+            forward's mask (recomputed, never stored). In ``[0, 1)``; 0 is exactly the op without dropout. Pass
+            ``0.0`` in evaluation (this function does not know about ``module.eval()``).
+
+    Biases are added to the scaled scores before the softmax; under ``causal`` masked pairs get neither bias nor
+    gradient. The biases' gradients are deterministic (per-block partial sums, added in a fixed order).
 
     ``D`` is a multiple of 8 in [16, 256]. On NVIDIA GPUs from Ampere on the Triton kernels run (on Hopper a
     Gluon kernel takes the backward of the production shape; ``python -m blockattn info`` lists the backends); fp16
@@ -69,8 +92,12 @@ def block_attention(
         raise TypeError("offsets is required when q, k, v are [N, H, D] tensors")
     checks.attention(q, k, v, offsets, block_size, scale)
     sinu_pos, rotate = checks.rotary_args(sinu_pos, rotate, q, offsets)
+    timestamps = checks.in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q, offsets,
+                                 block_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out = custom_ops.block_attention_fwd(q, k, v, offsets, sinu_pos, block_size, scale, rotate)[0]
+    out = custom_ops.block_attention_fwd(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias,
+                                         timestamps, time_bias, float(time_bucket_width), float(dropout_p),
+                                         _dropout_seed(dropout_p, q.device))[0]
     if nested:
         return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)
@@ -89,6 +116,12 @@ def qkv_block_attention(
     block_size: int = 64,
     scale: float | None = None,
     rotate: tuple[str, ...] = ("q", "k", "v"),
+    causal: bool = False,
+    pos_bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    time_bias: torch.Tensor | None = None,
+    time_bucket_width: float = DEFAULT_BUCKET_WIDTH,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Projection, rotary and block attention: ``block_attention(q, k, v)`` with ``[q | k | v] = x @ w + bias``.
 
@@ -101,12 +134,12 @@ def qkv_block_attention(
     Args:
         x: ``[N, d_model]`` tokens of all sequences packed back to back.
         w: ``[d_model, (num_heads + 2 * num_kv_heads) * D]``, the dtype and device of ``x``.
-        offsets, block_size, scale, sinu_pos, rotate: as for :func:`block_attention` (``sinu_pos`` is ``[N, D]``
-            and gets no gradient).
+        offsets, block_size, scale, sinu_pos, rotate, causal, pos_bias, timestamps, time_bias, time_bucket_width,
+            dropout_p: as for :func:`block_attention` (``sinu_pos`` is ``[N, D]`` and gets no gradient).
         num_heads, num_kv_heads: ``Hq`` and ``Hkv`` (``Hq % Hkv == 0``).
         bias: optional ``[(num_heads + 2 * num_kv_heads) * D]``.
 
-    Returns ``[N, num_heads, D]``. Gradients flow to ``x``, ``w`` and ``bias``.
+    Returns ``[N, num_heads, D]``. Gradients flow to ``x``, ``w``, ``bias`` and the attention biases.
     """
     checks.projection(x, w, bias, num_heads, num_kv_heads)
     checks.tensor("offsets", offsets)
@@ -114,7 +147,19 @@ def qkv_block_attention(
     shapes = custom_ops.split_heads(x.new_empty(()).expand(x.shape[0], w.shape[1]), num_heads, num_kv_heads)
     checks.attention(*shapes, offsets, block_size, scale)
     sinu_pos, rotate = checks.rotary_args(sinu_pos, rotate, shapes[0], offsets)
+    timestamps = checks.in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, shapes[0],
+                                 offsets, block_size)
     scale = 1.0 / math.sqrt(shapes[0].shape[-1]) if scale is None else float(scale)
     qkv = x @ w if bias is None else torch.addmm(bias, x, w)
     return custom_ops.qkv_block_attention_fwd(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale,
-                                              rotate)[0]
+                                              rotate, causal, pos_bias, timestamps, time_bias,
+                                              float(time_bucket_width), float(dropout_p),
+                                              _dropout_seed(dropout_p, x.device))[0]
+
+
+def _dropout_seed(dropout_p: float, device: torch.device) -> torch.Tensor | None:
+    """The kernels' dropout seed: one int64 from torch's generator for ``device``, drawn on the device (no host
+    copy; a CUDA graph replays the draw, so each replay has its own mask)."""
+    if dropout_p == 0:
+        return None
+    return torch.randint(2**62, (1,), dtype=torch.int64, device=device)

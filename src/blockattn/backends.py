@@ -8,9 +8,10 @@ kernels do not serve (a GPU older than Ampere, say) still runs, in PyTorch.
 
 Launchers:
 
-- ``forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate) -> out``
-- ``backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, grads) -> None``: writes
-  ``(dq, dk, dv)`` into ``grads`` (new tensors, or views of one packed buffer).
+- ``forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options) -> out``
+- ``backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, grads)
+  -> (dpos_bias, dtime_bias)``: writes ``(dq, dk, dv)`` into ``grads`` (new tensors, or views of one packed buffer)
+  and returns the gradients of the in-block biases (``ops.in_block.InBlock``; None where absent).
 
 Tuning overrides (warps, register caps) are arguments of the Triton launchers alone, which tuning scripts call
 directly: they never change which backend runs.
@@ -51,15 +52,17 @@ class AttentionCall:
     head_dim: int
     block_size: int
     rotate: int = 0
+    # The in-block options' bits (ops.in_block: causal, biases, dropout); 0 for the plain op.
+    in_block: int = 0
     # q, k, v, dO readable by TMA as [N, H * D] rows (16-byte aligned) and gradients laid out as such rows.
     tma_rows: bool = True
 
     @classmethod
-    def of(cls, pass_name: str, q: torch.Tensor, k: torch.Tensor, block_size: int, rotate: int,
+    def of(cls, pass_name: str, q: torch.Tensor, k: torch.Tensor, block_size: int, rotate: int, in_block: int = 0,
            tensors: tuple[torch.Tensor, ...] = (), grads: tuple[torch.Tensor, ...] = ()) -> AttentionCall:
         """The call on ``q [N, Hq, D]`` and ``k [N, Hkv, D]``; ``tensors`` and ``grads`` are those whose layout a
         backend reads (the backward's inputs and gradients)."""
-        return cls(pass_name, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], block_size, rotate,
+        return cls(pass_name, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], block_size, rotate, in_block,
                    all(tma_readable(t) for t in tensors) and all(rows_of_heads(g) for g in grads))
 
 
@@ -122,7 +125,7 @@ BACKENDS: dict[str, Backend] = {
     backend.name: backend
     for backend in (
         Backend("sm90-gluon", "Hopper backward in Gluon: TMA loads, wgmma on whole rows (64-token blocks, D = 128, "
-                "no GQA, fp16/bf16, plain or rotary)", _sm90_why_not,
+                "no GQA, fp16/bf16, plain or rotary, no in-block options)", _sm90_why_not,
                 backward=None if sm90_ops is None else sm90_ops.block_attention_bwd_sm90),
         Backend("triton", "Triton kernels, every supported shape, NVIDIA GPUs from Ampere on", _triton_why_not,
                 forward=triton_ops.block_attention_fwd_triton, backward=triton_ops.block_attention_bwd_triton),

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .ops.in_block import MIN_BUCKET_WIDTH
 from .ops.tiles import ROTATE_BITS
 
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -23,6 +24,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT64_DEVICES = ("cpu", "meta")
 OFFSET_DTYPES = (torch.int32, torch.int64)
 FP8_DTYPE = torch.float8_e4m3fn
+# Timestamps of the time bias: integers (e.g. seconds) or float32.
+TIMESTAMP_DTYPES = (torch.int64, torch.int32, torch.float32)
 # Flash attention: the kernels take fp16, bf16 and fp8; the PyTorch path takes float32 too (on any device) and float64
 # on the CPU. Outputs are 16-bit or fp32.
 FLASH_DTYPES = (torch.float16, torch.bfloat16, FP8_DTYPE, torch.float32)
@@ -300,3 +303,53 @@ def cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> None:
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+
+
+def _bias_table(name: str, bias, shape: tuple[int, int], what: str, q: torch.Tensor) -> None:
+    """A learnable bias ``[Hq, width]`` in float32 or ``q``'s dtype, on ``q``'s device."""
+    tensor(name, bias, optional=True)
+    if bias.dim() != 2 or bias.shape[0] != shape[0] or (shape[1] and bias.shape[1] != shape[1]) or not bias.shape[1]:
+        expected = f"[{shape[0]}, {shape[1]}]" if shape[1] else f"[{shape[0]}, num_buckets >= 1]"
+        raise ValueError(f"{name} must be [num_heads, {what}] = {expected}, got {tuple(bias.shape)}")
+    dtypes = tuple(dict.fromkeys((torch.float32, q.dtype)))
+    if bias.dtype not in dtypes:
+        raise TypeError(f"{name} must be {_dtype_names(dtypes)} (float32 or the dtype of q), got {bias.dtype}")
+    if bias.device != q.device:
+        raise ValueError(f"{name} must be on the device of q ({q.device}), got {bias.device}")
+
+
+def in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q: torch.Tensor,
+             offsets_: torch.Tensor, block: int) -> torch.Tensor | None:
+    """The in-block options of block attention (docs/semantics.md, "Inside a block") for ``q [N, Hq, D]``; returns
+    ``timestamps`` as ``[N]`` (unpacked if nested like ``q``)."""
+    _flag("causal", causal)
+    n, hq = q.shape[:2]
+    if pos_bias is not None:
+        _bias_table("pos_bias", pos_bias, (hq, 2 * block - 1), "2 * block_size - 1 relative positions", q)
+    if (timestamps is None) != (time_bias is None):
+        given, missing = ("timestamps", "time_bias") if time_bias is None else ("time_bias", "timestamps")
+        raise ValueError(f"{given} was given without {missing}: the time bias needs both (timestamps [N] and "
+                         "time_bias [num_heads, num_buckets])")
+    if timestamps is not None:
+        if isinstance(timestamps, torch.Tensor) and timestamps.is_nested:
+            if timestamps.layout != torch.jagged or not same_structure(timestamps.offsets(), offsets_):
+                raise ValueError("timestamps, when nested, must be a torch.jagged tensor [B, j] with the structure "
+                                 "of q")
+            timestamps = timestamps.values()
+        tensor("timestamps", timestamps)
+        if timestamps.shape != (n,):
+            raise ValueError(f"timestamps must be 1-D [N] = [{n}] (one per token), got {tuple(timestamps.shape)}")
+        if timestamps.dtype not in TIMESTAMP_DTYPES:
+            raise TypeError(f"timestamps must be {_dtype_names(TIMESTAMP_DTYPES)}, got {timestamps.dtype}")
+        if timestamps.device != q.device:
+            raise ValueError(f"timestamps must be on the device of q ({q.device}), got {timestamps.device}")
+        if timestamps.requires_grad:
+            raise ValueError("timestamps requires grad, but no gradient flows to them: pass timestamps.detach()")
+        _bias_table("time_bias", time_bias, (hq, 0), "num_buckets", q)
+        if (isinstance(time_bucket_width, bool) or not isinstance(time_bucket_width, (int, float))
+                or not (math.isfinite(time_bucket_width) and time_bucket_width >= MIN_BUCKET_WIDTH)):
+            raise ValueError(f"time_bucket_width must be a finite float >= {MIN_BUCKET_WIDTH}, got "
+                             f"{time_bucket_width!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    return timestamps

@@ -8,7 +8,10 @@ reuse it instead of building it again.
 
 Three families: ``rotary`` (``apply_rotary``), ``block_attention_*`` on separate ``q, k, v`` and
 ``qkv_block_attention_*`` on one packed ``[N, (Hq + 2 Hkv) * D]`` projection, whose backward writes the packed
-gradient in one buffer. ``rotate`` is a mask of ``ops.tiles.ROTATE_BITS``; ``sinu_pos`` gets no gradient.
+gradient in one buffer. ``rotate`` is a mask of ``ops.tiles.ROTATE_BITS``; ``sinu_pos`` gets no gradient. The
+attention ops end with the in-block options (``ops.in_block``: ``causal, pos_bias, timestamps, time_bias,
+time_bucket_width, dropout_p, dropout_seed``); their backwards also return the biases' gradients (0-element
+tensors for absent biases: an op's outputs cannot be None).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .block_table import BlockTable, build_block_table, check_offsets, empty_blo
 from .devices import kernels_run_on
 from .ops import tiles
 from .ops.block_attention_torch import rotary_torch
+from .ops.in_block import DEFAULT_BUCKET_WIDTH, InBlock
 from .ops.rotary import rotary_triton
 from .ops.tiles import ROTATE_NONE
 
@@ -66,33 +70,53 @@ def _rotate_mask(sinu_pos, rotate: int) -> int:
     return rotate if sinu_pos is not None else ROTATE_NONE
 
 
-def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate):
+def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InBlock):
     """``(out, *table)``: the block table, then the forward by the backend the dispatcher picks."""
     rotate = _rotate_mask(sinu_pos, rotate)
-    backend = backends.select(AttentionCall.of("fwd", q, k, block_size, rotate))
+    backend = backends.select(AttentionCall.of("fwd", q, k, block_size, rotate, options.bits))
     table = build_block_table(offsets, q.shape[0], block_size)
-    return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate), *table
+    return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options), *table
 
 
-def _backward(grad_out, q, k, v, offsets, sinu_pos, table, block_size, scale, rotate, grads):
-    """Write ``(dq, dk, dv)`` into ``grads`` by the backend the dispatcher picks; returns ``grads``."""
+def _backward(grad_out, q, k, v, offsets, sinu_pos, table, block_size, scale, rotate, options: InBlock, grads):
+    """Write ``(dq, dk, dv)`` into ``grads`` by the backend the dispatcher picks; return the biases' gradients as
+    the ops do (0-element tensors for absent biases)."""
     rotate = _rotate_mask(sinu_pos, rotate)
-    call = AttentionCall.of("bwd", q, k, block_size, rotate, tensors=(q, k, v, grad_out), grads=grads)
-    backends.select(call).backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, grads)
-    return grads
+    call = AttentionCall.of("bwd", q, k, block_size, rotate, options.bits, tensors=(q, k, v, grad_out), grads=grads)
+    bias_grads = backends.select(call).backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos,
+                                                rotate, options, grads)
+    return tuple(q.new_empty(0) if g is None else g for g in bias_grads)
+
+
+def _bias_grad_fakes(q, pos_bias, time_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(q.new_empty(0) if b is None else torch.empty_like(b) for b in (pos_bias, time_bias))
+
+
+def _options(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed) -> InBlock:
+    return InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+
+
+def _bias_grads_out(grads: tuple, options: tuple) -> tuple:
+    """The autograd results of the option inputs (``causal, pos_bias, timestamps, time_bias, width, p, seed``)."""
+    dpos, dtime = grads
+    return (None, dpos if options[1] is not None else None, None, dtime if options[3] is not None else None, None,
+            None, None)
 
 
 @torch.library.custom_op("blockattn::block_attention_fwd", mutates_args=())
 def block_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None,
-    block_size: int, scale: float, rotate: int,
+    block_size: int, scale: float, rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
+    time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``block_table.BlockTable``)."""
-    return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate)
+    options = _options(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options)
 
 
 @block_attention_fwd.register_fake
-def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate):
+def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, *options):
     return torch.empty_like(q), *empty_block_table(offsets, q.shape[0], block_size)
 
 
@@ -100,31 +124,41 @@ def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate):
 def block_attention_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
     sinu_pos: torch.Tensor | None, block_cum: torch.Tensor, block_seq: torch.Tensor, block_size: int, scale: float,
-    rotate: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,
+    time_bias: torch.Tensor | None = None, time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dpos_bias, dtime_bias)``."""
     grads = (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
-    return _backward(grad_out, q, k, v, offsets, sinu_pos, BlockTable(block_cum, block_seq), block_size, scale, rotate,
-                     grads)
+    options = _options(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    bias_grads = _backward(grad_out, q, k, v, offsets, sinu_pos, BlockTable(block_cum, block_seq), block_size, scale,
+                           rotate, options, grads)
+    return *grads, *bias_grads
 
 
 @block_attention_bwd.register_fake
-def _(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate, causal=False,
+      pos_bias=None, timestamps=None, time_bias=None, *options):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *_bias_grad_fakes(q, pos_bias, time_bias)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, offsets, sinu_pos, block_size, scale, rotate = inputs
+    q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias, width, p, seed \
+        = inputs
     _, block_cum, block_seq = output
     ctx.mark_non_differentiable(block_cum, block_seq)
-    ctx.save_for_backward(q, k, v, offsets, sinu_pos, block_cum, block_seq)
+    ctx.save_for_backward(q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed)
     ctx.block_size, ctx.scale, ctx.rotate = block_size, scale, rotate
+    ctx.flags = (causal, width, p)
 
 
 def _attention_backward(ctx, grad_out, _grad_block_cum, _grad_block_seq):
-    q, k, v, offsets, sinu_pos, block_cum, block_seq = ctx.saved_tensors
-    dq, dk, dv = block_attention_bwd(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, ctx.block_size,
-                                     ctx.scale, ctx.rotate)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed = ctx.saved_tensors
+    causal, width, p = ctx.flags
+    options = (causal, pos_bias, timestamps, time_bias, width, p, seed)
+    dq, dk, dv, *bias_grads = block_attention_bwd(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq,
+                                                  ctx.block_size, ctx.scale, ctx.rotate, *options)
+    return dq, dk, dv, None, None, None, None, None, *_bias_grads_out(bias_grads, options)
 
 
 block_attention_fwd.register_autograd(_attention_backward, setup_context=_setup_context)
@@ -133,14 +167,17 @@ block_attention_fwd.register_autograd(_attention_backward, setup_context=_setup_
 @torch.library.custom_op("blockattn::qkv_block_attention_fwd", mutates_args=())
 def qkv_block_attention_fwd(
     qkv: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None, num_heads: int, num_kv_heads: int,
-    block_size: int, scale: float, rotate: int,
+    block_size: int, scale: float, rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
+    time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block attention on the heads of a packed projection, read in place through strides."""
-    return _forward(*split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_size, scale, rotate)
+    options = _options(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    return _forward(*split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_size, scale, rotate, options)
 
 
 @qkv_block_attention_fwd.register_fake
-def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate):
+def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, *options):
     n = qkv.shape[0]
     head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
     return qkv.new_empty(n, num_heads, head_dim), *empty_block_table(offsets, n, block_size)
@@ -150,72 +187,89 @@ def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate
 def qkv_block_attention_bwd(
     grad_out: torch.Tensor, qkv: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None,
     block_cum: torch.Tensor, block_seq: torch.Tensor, num_heads: int, num_kv_heads: int, block_size: int,
-    scale: float, rotate: int,
-) -> torch.Tensor:
-    """``dqkv`` in the packed layout of ``qkv``: the kernel writes dq, dk, dv straight into views of one buffer."""
+    scale: float, rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
+    time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dqkv, dpos_bias, dtime_bias)``, ``dqkv`` in the packed layout of ``qkv``: the kernel writes dq, dk, dv
+    straight into views of one buffer."""
     dqkv = tiles.new_output(qkv)
-    _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, BlockTable(block_cum, block_seq),
-              block_size, scale, rotate, split_heads(dqkv, num_heads, num_kv_heads))
-    return dqkv
+    options = _options(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    bias_grads = _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
+                           BlockTable(block_cum, block_seq), block_size, scale, rotate, options,
+                           split_heads(dqkv, num_heads, num_kv_heads))
+    return dqkv, *bias_grads
 
 
 @qkv_block_attention_bwd.register_fake
-def _(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads, block_size, scale, rotate):
-    return torch.empty_like(qkv)
+def _(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads, block_size, scale, rotate,
+      causal=False, pos_bias=None, timestamps=None, time_bias=None, *options):
+    return torch.empty_like(qkv), *_bias_grad_fakes(qkv, pos_bias, time_bias)
 
 
 def _qkv_setup_context(ctx, inputs, output):
-    qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate = inputs
+    (qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal, pos_bias, timestamps,
+     time_bias, width, p, seed) = inputs
     _, block_cum, block_seq = output
     ctx.mark_non_differentiable(block_cum, block_seq)
-    ctx.save_for_backward(qkv, offsets, sinu_pos, block_cum, block_seq)
-    ctx.options = (num_heads, num_kv_heads, block_size, scale, rotate)
+    ctx.save_for_backward(qkv, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed)
+    ctx.shape_options = (num_heads, num_kv_heads, block_size, scale, rotate)
+    ctx.flags = (causal, width, p)
 
 
 def _qkv_backward(ctx, grad_out, _grad_block_cum, _grad_block_seq):
-    qkv, offsets, sinu_pos, block_cum, block_seq = ctx.saved_tensors
-    dqkv = qkv_block_attention_bwd(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, *ctx.options)
-    return dqkv, None, None, None, None, None, None, None
+    qkv, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed = ctx.saved_tensors
+    causal, width, p = ctx.flags
+    options = (causal, pos_bias, timestamps, time_bias, width, p, seed)
+    dqkv, *bias_grads = qkv_block_attention_bwd(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq,
+                                                *ctx.shape_options, *options)
+    return dqkv, None, None, None, None, None, None, None, *_bias_grads_out(bias_grads, options)
 
 
 qkv_block_attention_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup_context)
 
 
-def in_block_pairs(offsets: torch.Tensor, num_tokens: int, block_size: int) -> int:
-    """Number of (query, key) pairs that attend, ``sum over blocks of len^2`` (an upper bound on fake tensors)."""
+def in_block_pairs(offsets: torch.Tensor, num_tokens: int, block_size: int, causal: bool = False) -> int:
+    """Number of (query, key) pairs that attend, ``sum over blocks of len^2`` (``len (len + 1) / 2`` under the
+    causal mask; an upper bound on fake tensors)."""
     if isinstance(offsets, torch._subclasses.FakeTensor) or offsets.device.type == "meta":
         return num_tokens * block_size
     lengths = (offsets[1:] - offsets[:-1]).long()
     full, rest = torch.div(lengths, block_size, rounding_mode="floor"), lengths % block_size
+    if causal:
+        return int((full * (block_size * (block_size + 1) // 2) + rest * (rest + 1) // 2).sum())
     return int((full * block_size * block_size + rest * rest).sum())
 
 
-def _attention_flops(offsets, num_tokens, num_heads, head_dim, block_size, matmuls) -> int:
-    # 2 * BS_eff * D per matmul, query row and head, over the in-block pairs only (rotary adds a few per element).
-    return 2 * matmuls * in_block_pairs(offsets, num_tokens, block_size) * num_heads * head_dim
+def _attention_flops(offsets, num_tokens, num_heads, head_dim, block_size, causal, matmuls) -> int:
+    # 2 * BS_eff * D per matmul, query row and head, over the in-block pairs only (rotary, biases and dropout add a
+    # few per element).
+    return 2 * matmuls * in_block_pairs(offsets, num_tokens, block_size, causal) * num_heads * head_dim
 
 
 @register_flop_formula(torch.ops.blockattn.block_attention_fwd, get_raw=True)
-def _fwd_flops(q, k, v, offsets, sinu_pos, block_size, *args, **kwargs) -> int:
-    return _attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, matmuls=2)  # q k^T, p v
+def _fwd_flops(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, *args, **kwargs) -> int:
+    return _attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, causal, matmuls=2)  # qk^T, pv
 
 
 @register_flop_formula(torch.ops.blockattn.block_attention_bwd, get_raw=True)
-def _bwd_flops(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, *args, **kwargs) -> int:
-    return _attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, matmuls=5)
+def _bwd_flops(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate, causal=False,
+               *args, **kwargs) -> int:
+    return _attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, causal, matmuls=5)
 
 
 @register_flop_formula(torch.ops.blockattn.qkv_block_attention_fwd, get_raw=True)
-def _qkv_fwd_flops(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, *args, **kwargs) -> int:
+def _qkv_fwd_flops(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal=False,
+                   *args, **kwargs) -> int:
     head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
-    return _attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, matmuls=2)
+    return _attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, causal, matmuls=2)
 
 
 @register_flop_formula(torch.ops.blockattn.qkv_block_attention_bwd, get_raw=True)
 def _qkv_bwd_flops(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads, block_size,
-                   *args, **kwargs) -> int:
+                   scale, rotate, causal=False, *args, **kwargs) -> int:
     head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
-    return _attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, matmuls=5)
+    return _attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, causal, matmuls=5)
 
 
 @torch.library.custom_op("blockattn::flash_attention_fwd", mutates_args=())

@@ -59,7 +59,9 @@ class BlockSelfAttention(nn.Module):
         rotate: which of ``"q"``, ``"k"``, ``"v"`` it turns (standard RoPE: ``("q", "k")``).
         rotary_base: the angle of pair ``i`` at position ``p`` is ``p * rotary_base ** (-2i / head_dim)``.
         bias: biases in both projections.
-        dropout: must be 0 (attention dropout inside blocks is not implemented yet).
+        causal: within each block, a token attends to itself and the tokens before it only.
+        dropout: attention dropout on the probabilities inside the kernels (``dropout_p`` of
+            :func:`blockattn.block_attention`), applied in training mode only.
         device, dtype: of the parameters.
 
     Parameters: ``qkv``, an ``nn.Linear(d_model, (Hq + 2 Hkv) * D)`` whose outputs are ``[q heads | k heads |
@@ -80,6 +82,7 @@ class BlockSelfAttention(nn.Module):
         rotate: tuple[str, ...] = ("q", "k"),
         rotary_base: float = 10000.0,
         bias: bool = True,
+        causal: bool = False,
         dropout: float = 0.0,
         device=None,
         dtype=None,
@@ -104,12 +107,11 @@ class BlockSelfAttention(nn.Module):
         checks.finite_positive("rotary_base", rotary_base)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
-        if dropout > 0:
-            raise ValueError(f"dropout={dropout} is not supported: attention dropout inside blocks is not "
-                             "implemented yet; pass dropout=0.0 (or apply nn.Dropout to the layer's output)")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.block_size, self.rotary, self.rotate = block_size, bool(rotary), tuple(rotate)
-        self.rotary_base, self.dropout = float(rotary_base), float(dropout)
+        self.rotary_base, self.causal, self.dropout = float(rotary_base), causal, float(dropout)
         factory = {"device": device, "dtype": dtype}
         self.qkv = nn.Linear(d_model, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, **factory)
         self.out = nn.Linear(num_heads * head_dim, d_model, bias=bias, **factory)
@@ -122,7 +124,8 @@ class BlockSelfAttention(nn.Module):
     def extra_repr(self) -> str:
         rotary = f"rotary_base={self.rotary_base}, rotate={self.rotate}" if self.rotary else "rotary=False"
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, block_size={self.block_size}, {rotary}")
+                f"head_dim={self.head_dim}, block_size={self.block_size}, {rotary}, causal={self.causal}, "
+                f"dropout={self.dropout}")
 
     def attend(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The attention heads before the output projection: ``[N, Hq, D]`` of ``x [N, d_model]``."""
@@ -143,7 +146,8 @@ class BlockSelfAttention(nn.Module):
             sinu_pos = rotary_sinu_pos(offsets, x.shape[0], self.head_dim, self.rotary_base)
         return qkv_block_attention(x, w.t(), offsets, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                    sinu_pos=sinu_pos, bias=bias, block_size=self.block_size,
-                                   rotate=self.rotate)
+                                   rotate=self.rotate, causal=self.causal,
+                                   dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         """``x [N, d_model]`` with ``offsets [B + 1]``, or a jagged nested ``x [B, j, d_model]``; returns the same

@@ -9,6 +9,7 @@ default ``compute_dtype=torch.float64`` they are the ground truth; with the inpu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -21,9 +22,19 @@ def block_attention_reference(
     *,
     block_size: int = 64,
     scale: float | None = None,
+    causal: bool = False,
+    pos_bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    time_bias: torch.Tensor | None = None,
+    time_bucket_width: float = 0.301,
+    dropout_p: float = 0.0,
+    dropout_mask: Callable[[int, int], torch.Tensor] | None = None,
     compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Block-diagonal attention on jagged ``[N, H, D]`` tensors; differentiable; returns ``compute_dtype``."""
+    """Block-diagonal attention on jagged ``[N, H, D]`` tensors with the in-block options of docs/semantics.md;
+    differentiable (in ``q``, ``k``, ``v`` and the biases); returns ``compute_dtype``. ``dropout_mask(start,
+    length)`` gives the kept probabilities ``[Hq, length, length]`` (bool) of the block starting at token
+    ``start``."""
     n, hq, d = q.shape
     group = hq // k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -37,10 +48,33 @@ def block_attention_reference(
             end = min(start + block_size, seq_end)
             qb, kb, vb = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
             scores = (qb @ kb.transpose(1, 2)) * scale
-            pieces.append((torch.softmax(scores, dim=-1) @ vb).transpose(0, 1))
+            i = torch.arange(end - start, device=q.device)[:, None]
+            j = torch.arange(end - start, device=q.device)[None, :]
+            if pos_bias is not None:
+                scores = scores + pos_bias.to(compute_dtype)[:, j - i + block_size - 1]
+            if time_bias is not None:
+                buckets = _time_bucket(timestamps[start:end], time_bias.shape[1], time_bucket_width)
+                scores = scores + time_bias.to(compute_dtype)[:, buckets]
+            if causal:
+                scores = scores.masked_fill(j > i, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            if dropout_p > 0:
+                probs = probs * dropout_mask(start, end - start) / (1 - dropout_p)
+            pieces.append((probs @ vb).transpose(0, 1))
     if not pieces:
         return q.new_zeros(0, hq, d)
     return torch.cat(pieces, dim=0)
+
+
+def _time_bucket(times: torch.Tensor, num_buckets: int, width: float) -> torch.Tensor:
+    """``[L, L]`` buckets ``min(B - 1, floor(ln(max(|t_j - t_i|, 1)) / width))``, ``|t_j - t_i|`` taken exactly
+    (integers) or in fp32 (floats) and rounded to fp32, as docs/semantics.md defines it."""
+    if times.dtype.is_floating_point:
+        dt = (times.float()[None, :] - times.float()[:, None]).abs()
+    else:
+        dt = (times.long()[None, :] - times.long()[:, None]).abs().float()
+    buckets = torch.floor(torch.log(dt.double().clamp(min=1.0)) / width).long()
+    return buckets.clamp(max=num_buckets - 1)
 
 
 def flash_attention_reference(

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from ..block_table import BlockTable
-from . import tiles
+from . import in_block, tiles
+from .in_block import InBlock, block_probs, block_probs_and_grads
 from .rotary import (
     fence,
     inline_asm,
@@ -133,11 +134,11 @@ def _pair_dot(a_even, a_odd, b_even, b_odd, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, head_dim, qk_scale_log2,
-                      stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd,
+def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, start, head, rows, row_ok, head_dim, qk_scale_log2,
+                      stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd, mods,
                       BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr,
-                      INLINE_ASM: tl.constexpr):
+                      INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr):
     """The forward of one (block, head) on pair halves, the operands named by ROTATE turned after loading."""
     PAIRS: tl.constexpr = CHUNK // 2
     elem_ty: tl.constexpr = q_base.dtype.element_ty
@@ -155,7 +156,7 @@ def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, he
         q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE_Q & ROTATE, elem_ty, INLINE_ASM)
         k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
         scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
-    p = softmax_probs(scores, row_ok, qk_scale_log2).to(elem_ty)
+    p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK).to(elem_ty)
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
         if NUM_CHUNKS > 1:  # else v and the angles come from the first loop
@@ -177,12 +178,15 @@ def _block_attention_fwd_kernel(
     stride_vn, stride_vh, stride_vd,
     stride_on, stride_oh, stride_od,
     stride_sn, stride_sd,
+    pos_bias_ptr, stride_pbh, stride_pbw, timestamps_ptr, stride_ts, time_bias_ptr, stride_tbh, stride_tbb,
+    edges_ptr, num_buckets, bucket_scale, seed_ptr, keep_threshold, keep_scale,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr,
+    ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr,
 ):
     # Heads vary fastest so that the programs of one block (which share its rows, and k/v under GQA) run together.
-    # ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the operands turned by the rotary angles right after their load.
+    # ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the operands turned by the rotary angles right after their load;
+    # IN_BLOCK one of the in-block options (ops.in_block: causal, biases, dropout), whose arguments are ``mods``.
     pid = tl.program_id(0)
     slot = pid // NUM_Q_HEADS
     head = pid % NUM_Q_HEADS
@@ -197,11 +201,13 @@ def _block_attention_fwd_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     o_base = o_ptr + head * stride_oh
+    mods = (pos_bias_ptr, stride_pbh, stride_pbw, timestamps_ptr, stride_ts, time_bias_ptr, stride_tbh, stride_tbb,
+            edges_ptr, num_buckets, bucket_scale, seed_ptr, keep_threshold, keep_scale)
 
     if ROTATE:
-        _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, rows, row_ok, head_dim, qk_scale_log2,
-                          stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd,
-                          BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE, INLINE_ASM)
+        _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, start, head, rows, row_ok, head_dim,
+                          qk_scale_log2, stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd, mods,
+                          BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE, INLINE_ASM, IN_BLOCK)
         return
     scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
@@ -209,7 +215,8 @@ def _block_attention_fwd_kernel(
         q = tl.load(tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
         k = tl.load(tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
-    p = softmax_probs(scores, row_ok, qk_scale_log2).to(q_ptr.dtype.element_ty)
+    p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK)
+    p = p.to(q_ptr.dtype.element_ty)
 
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
@@ -257,13 +264,14 @@ def _bwd_rotary_slice(q_base, k_base, v_base, do_base, sinu_ptr, rows_in, row_ok
 
 
 @triton.jit
-def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, rows, row_ok, kv_head,
-                      first_slice, head_dim, scale, qk_scale_log2,
+def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, start, slot, rows, row_ok,
+                      kv_head, first_slice, head_dim, scale, qk_scale_log2,
                       stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
-                      stride_dkn, stride_dvn, stride_sn, stride_sd,
+                      stride_dkn, stride_dvn, stride_sn, stride_sd, mods, dpos_ptr, dtime_ptr,
                       GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SLICES_PER_PROGRAM: tl.constexpr,
-                      ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, WIDE_STORES: tl.constexpr):
+                      ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, WIDE_STORES: tl.constexpr,
+                      NUM_Q_HEADS: tl.constexpr, IN_BLOCK: tl.constexpr):
     """``_block_attention_bwd_kernel``'s program on pair halves: GQA and head-dim slices, rotated operands. The
     softmax scale is folded into dS (one multiply per score instead of one per gradient element)."""
     PAIRS: tl.constexpr = CHUNK // 2
@@ -293,9 +301,9 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
                     stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE, INLINE_ASM)
                 scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
                 dp = _pair_dot(do_even, do_odd, v_even, v_odd, dp, DOT_PRECISION)
-        p = softmax_probs(scores, row_ok, qk_scale_log2)
-        ds = grad_scores(p, dp, q_ptr.dtype.element_ty, scale)
-        p = p.to(q_ptr.dtype.element_ty)
+        p, ds = block_probs_and_grads(scores, dp, start, head, slot * NUM_Q_HEADS + head, first_slice == 0, rows,
+                                      row_ok, qk_scale_log2, scale, q_ptr.dtype.element_ty, mods, dpos_ptr,
+                                      dtime_ptr, BLOCK_SIZE, IN_BLOCK)
         for i in range(SLICES_PER_PROGRAM):
             pair0 = (first_slice + i) * PAIRS
             cols = column_mask(pair0, half, PAIRS, EVEN_D)
@@ -340,7 +348,7 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
 
 @triton.jit
 def _block_attention_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, sinu_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, sinu_ptr, dpos_ptr, dtime_ptr,
     block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_tokens, head_dim, scale, qk_scale_log2,
     stride_qn, stride_qh, stride_qd,
@@ -351,16 +359,20 @@ def _block_attention_bwd_kernel(
     stride_dkn, stride_dkh, stride_dkd,
     stride_dvn, stride_dvh, stride_dvd,
     stride_sn, stride_sd,
+    pos_bias_ptr, stride_pbh, stride_pbw, timestamps_ptr, stride_ts, time_bias_ptr, stride_tbh, stride_tbb,
+    edges_ptr, num_buckets, bucket_scale, seed_ptr, keep_threshold, keep_scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLICES_PER_PROGRAM: tl.constexpr, ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, WIDE_STORES: tl.constexpr,
+    IN_BLOCK: tl.constexpr,
 ):
     # Each program owns SLICES_PER_PROGRAM of the NUM_CHUNKS head-dim slices of one (block, kv head): it recomputes
     # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
     # as soon as it is computed. With GQA a program owns one slice and loops over the GROUP query heads that share
     # the kv head, accumulating that slice of dk/dv in registers. No atomics: bitwise reproducible.
     # With a rotary (ROTATE, bits tiles.ROTATE_Q/K/V) the same program runs on pair halves (_bwd_rotary_block):
-    # operands are rotated after every load and their gradients turned back before the store.
+    # operands are rotated after every load and their gradients turned back before the store. IN_BLOCK: as in the
+    # forward; the programs of a (block, head)'s first slice write its share of the bias gradients (dpos, dtime).
     PROGRAMS_PER_HEAD: tl.constexpr = NUM_CHUNKS // SLICES_PER_PROGRAM
     pid = tl.program_id(0)
     first_slice = (pid % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
@@ -376,13 +388,15 @@ def _block_attention_bwd_kernel(
     v_base = v_ptr + kv_head * stride_vh
     dk_base = dk_ptr + kv_head * stride_dkh
     dv_base = dv_ptr + kv_head * stride_dvh
+    mods = (pos_bias_ptr, stride_pbh, stride_pbw, timestamps_ptr, stride_ts, time_bias_ptr, stride_tbh, stride_tbb,
+            edges_ptr, num_buckets, bucket_scale, seed_ptr, keep_threshold, keep_scale)
     if ROTATE:
-        _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, rows, row_ok, kv_head,
-                          first_slice, head_dim, scale, qk_scale_log2,
+        _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, start, slot, rows, row_ok,
+                          kv_head, first_slice, head_dim, scale, qk_scale_log2,
                           stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
-                          stride_dkn, stride_dvn, stride_sn, stride_sd,
+                          stride_dkn, stride_dvn, stride_sn, stride_sd, mods, dpos_ptr, dtime_ptr,
                           GROUP, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, SLICES_PER_PROGRAM, ROTATE,
-                          INLINE_ASM, WIDE_STORES)
+                          INLINE_ASM, WIDE_STORES, NUM_KV_HEADS * GROUP, IN_BLOCK)
         return
 
     dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
@@ -404,9 +418,9 @@ def _block_attention_bwd_kernel(
                     q_base, k_base, v_base, do_base, rows, row_ok, c * CHUNK, head_dim, scores, dp,
                     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
                     CHUNK, EVEN_D, DOT_PRECISION)
-        p = softmax_probs(scores, row_ok, qk_scale_log2)
-        ds = grad_scores(p, dp, q_ptr.dtype.element_ty, 1.0)
-        p = p.to(q_ptr.dtype.element_ty)
+        p, ds = block_probs_and_grads(scores, dp, start, head, slot * (NUM_KV_HEADS * GROUP) + head, first_slice == 0,
+                                      rows, row_ok, qk_scale_log2, 1.0, q_ptr.dtype.element_ty, mods, dpos_ptr,
+                                      dtime_ptr, BLOCK_SIZE, IN_BLOCK)
         for i in range(SLICES_PER_PROGRAM):
             col0 = (first_slice + i) * CHUNK
             mask = tile_mask(row_ok, col0, head_dim, CHUNK, EVEN_D)
@@ -519,14 +533,15 @@ def block_attention_fwd_triton(
     scale: float,
     sinu_pos: torch.Tensor | None,
     rotate: int,
+    options: InBlock = in_block.PLAIN,
     *,
     num_warps: int | None = None,
     maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Launch the forward kernel over ``table``; returns ``out``. Arguments are those the dispatcher passes
     (``backends``), checked; ``rotate`` is a mask of ``tiles.ROTATE_BITS`` (0 without ``sinu_pos``): those operands
-    are turned by ``sinu_pos`` after loading. ``num_warps`` and ``maxnreg`` (a register cap) override the tuned
-    launch, for tuning sweeps."""
+    are turned by ``sinu_pos`` after loading; ``options`` the in-block options. ``num_warps`` and ``maxnreg`` (a
+    register cap) override the tuned launch, for tuning sweeps."""
     n, hq, d = q.shape
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))
@@ -539,7 +554,7 @@ def block_attention_fwd_triton(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **_table_args(offsets, table),
         num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
-        stride_sn=stride_sn, stride_sd=stride_sd,
+        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q),
         NUM_Q_HEADS=hq, GROUP=hq // k.shape[1], BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q),
@@ -559,32 +574,36 @@ def block_attention_bwd_triton(
     scale: float,
     sinu_pos: torch.Tensor | None,
     rotate: int,
+    options: InBlock,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     *,
     num_warps: int | None = None,
     maxnreg: int | None = None,
     slices_per_program: int | None = None,
-) -> None:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel: write ``(dq, dk, dv)``, the gradients of the unrotated inputs, into ``grads``
-    (new tensors or views of one packed buffer). ``num_warps``, ``maxnreg`` and ``slices_per_program`` override the
-    tuned choices, for tuning sweeps (the last must be 1 under GQA, and giving it selects the one-block-per-program
-    kernel); they change nothing but the Triton launch."""
+    (new tensors or views of one packed buffer); return the gradients of ``options``' biases (None where absent).
+    ``num_warps``, ``maxnreg`` and ``slices_per_program`` override the tuned choices, for tuning sweeps (the last
+    must be 1 under GQA, and giving it selects the one-block-per-program kernel); they change nothing but the Triton
+    launch."""
+    partials = in_block.bias_grad_partials(options, table.num_slots, q.shape[1], block_size, q.device)
     if table.num_slots == 0:
-        return
+        return in_block.summed_bias_grads(options, partials)
     targets = grads
     if rotate:
         q, k, v, grad_out = (pair_aligned(t) for t in (q, k, v, grad_out))
         # Gradients are stored as pair words too: those that cannot take them are written apart and copied.
         targets = tuple(g if pairs_readable(g) else tiles.new_output(pair_aligned(g)) for g in grads)
-    _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, targets, num_warps=num_warps,
-                maxnreg=maxnreg, slices_per_program=slices_per_program)
+    _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials, targets,
+                num_warps=num_warps, maxnreg=maxnreg, slices_per_program=slices_per_program)
     for grad, target in zip(grads, targets):
         if target is not grad:
             grad.copy_(target)
+    return in_block.summed_bias_grads(options, partials)
 
 
-def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, grads, *, num_warps,
-                maxnreg, slices_per_program) -> None:
+def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials, grads, *,
+                num_warps, maxnreg, slices_per_program) -> None:
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -597,7 +616,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
                   num_stages=1, **_register_cap(maxnreg))
     tensors = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_out, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv)
     one_layout = len({t.stride() for t in (q, k, v, dq, dk, dv)}) == 1
-    if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None:
+    if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None and not options.bits:
         programs = min(table.num_slots * hq, _persistent_programs(q.device))
         _block_attention_bwd_persistent_kernel[(programs,)](
             **tensors, **common, num_slots=table.num_slots, **_strides("", q), **_strides("do", grad_out),
@@ -609,7 +628,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     strides = {name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"), (q, k, v, grad_out, *grads))
                for name, stride in _strides(prefix, t).items()}
     _block_attention_bwd_kernel[(table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)](
-        **tensors, sinu_ptr=sinu_ptr, **common, **strides, stride_sn=stride_sn, stride_sd=stride_sd,
-        NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
+        **tensors, sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], **common, **strides,
+        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q), NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
         INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in grads),
     )

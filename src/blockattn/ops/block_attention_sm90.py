@@ -33,6 +33,7 @@ except ImportError:  # triton 3.6 names it async_copy_global_to_shared (removed 
     from triton.experimental.gluon.language.nvidia.hopper.tma import async_copy_global_to_shared as tma_load
 
 from ..block_table import BlockTable
+from .in_block import InBlock
 from .tiles import (
     LOG2E,
     ROTATE_K,
@@ -194,7 +195,9 @@ def _block_attention_bwd_sm90_kernel(
 def why_not(call) -> str | None:
     """Why this kernel does not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: it takes
     64-token blocks, D = 128, no GQA, 16-bit inputs that TMA can read and gradients laid out as ``[N, H * D]``
-    rows, with or without a rotary."""
+    rows, with or without a rotary, and none of the in-block options (causal, biases, dropout)."""
+    if call.in_block:
+        return "takes none of the in-block options (causal, biases, dropout)"
     if call.block_size != _BLOCK_SIZE or call.head_dim != _HEAD_DIM:
         return f"takes {_BLOCK_SIZE}-token blocks at D = {_HEAD_DIM} only"
     if call.num_heads != call.num_kv_heads:
@@ -214,14 +217,14 @@ def _descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              offsets: torch.Tensor, table: BlockTable, block_size: int, scale: float,
-                             sinu_pos: torch.Tensor | None, rotate: int,
-                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+                             sinu_pos: torch.Tensor | None, rotate: int, options: InBlock,
+                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[None, None]:
     """Write ``(dq, dk, dv)`` into ``grads``, where :func:`why_not` says nothing against the call (the dispatcher's
-    backward signature, ``backends``)."""
+    backward signature, ``backends``; ``options`` are then the plain op's, whose biases have no gradient)."""
     n, h, _ = q.shape
     dq, dk, dv = grads
     if table.num_slots == 0:
-        return
+        return None, None
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     _block_attention_bwd_sm90_kernel[(table.num_slots * h,)](
         q_desc=_descriptor(q), k_desc=_descriptor(k), v_desc=_descriptor(v), do_desc=_descriptor(grad_out),
@@ -232,3 +235,4 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         stride_sn=stride_sn, stride_sd=stride_sd,
         NUM_HEADS=h, ROTATE=rotate, num_warps=4,
     )
+    return None, None

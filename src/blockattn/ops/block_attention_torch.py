@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..block_table import BlockTable, block_rows
+from .in_block import InBlock, abs_time_deltas, bucket_edges, dropout_keep, time_buckets
 from .tiles import ROTATE_BITS
 
 
@@ -58,10 +59,12 @@ def _turned_inputs(q, k, v, sinu_pos, rotate: int) -> tuple[torch.Tensor, ...]:
 
 
 class _Blocks:
-    """The gathered blocks of one call and the probabilities of their scores."""
+    """The gathered blocks of one call, the probabilities of their scores (biased and masked by the in-block
+    options) and the dropout factors (``keep``, None without dropout)."""
 
-    def __init__(self, q, k, v, offsets, table: BlockTable, block_size: int, scale: float):
+    def __init__(self, q, k, v, offsets, table: BlockTable, block_size: int, scale: float, options: InBlock):
         group = q.shape[1] // k.shape[1]
+        self.options = options
         self.rows, self.valid = block_rows(offsets, table, block_size)
         self.q = _gather_blocks(q, self.rows, self.valid)
         self.k, self.v = (_gather_blocks(t, self.rows, self.valid).repeat_interleave(group, dim=1) for t in (k, v))
@@ -69,37 +72,78 @@ class _Blocks:
         # softmax (dropped with the padding) is finite, while a NaN of a real block stays in its block.
         key_ok = self.valid | ~self.valid.any(-1, keepdim=True)
         scores = (self.q @ self.k.transpose(-1, -2)) * scale
+        self.buckets = None
+        if options.pos_bias is not None:
+            scores = scores + options.pos_bias.to(scores.dtype)[:, _relative_positions(block_size, q.device)]
+        if options.time_bias is not None:
+            times = options.timestamps[self.rows.clamp(0, q.shape[0] - 1)] if q.shape[0] else self.rows
+            edges = bucket_edges(options.time_bias.shape[1], options.bucket_width, q.device)
+            self.buckets = time_buckets(abs_time_deltas(times[:, :, None], times[:, None, :]), edges)
+            scores = scores + options.time_bias.to(scores.dtype)[:, self.buckets].transpose(0, 1)
+        if options.causal:
+            above = torch.ones(block_size, block_size, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(above, float("-inf"))
         self.p = torch.softmax(scores.masked_fill(~key_ok[:, None, None, :], float("-inf")), dim=-1)
+        self.keep = None
+        if options.dropout_p > 0:
+            keep = dropout_keep(options.seed, self.rows[:, 0], q.shape[1], block_size, options.dropout_p)
+            self.keep = keep.to(self.p.dtype) / (1 - options.dropout_p)
+
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.keep is None else x * self.keep
 
     def scatter(self, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return _scatter_blocks(blocks, self.rows, self.valid, num_tokens)
 
+    def bias_grads(self, ds: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The biases' gradients from ``ds = dL/ds(i, j)`` ``[slots, H, BS, BS]``, summed in a fixed order."""
+        pos_bias, time_bias = self.options.pos_bias, self.options.time_bias
+        dpos = dtime = None
+        if pos_bias is not None:
+            block_size = ds.shape[-1]
+            one_hot = torch.nn.functional.one_hot(_relative_positions(block_size, ds.device).flatten(),
+                                                  2 * block_size - 1).to(ds.dtype)
+            dpos = (ds.sum(0).flatten(1) @ one_hot).to(pos_bias.dtype)
+        if time_bias is not None:
+            per_bucket = [torch.where(self.buckets[:, None] == b, ds, 0).sum((0, 2, 3))
+                          for b in range(time_bias.shape[1])]
+            dtime = torch.stack(per_bucket, dim=1).to(time_bias.dtype)
+        return dpos, dtime
+
+
+def _relative_positions(block_size: int, device: torch.device) -> torch.Tensor:
+    """``[BS, BS]``: the position bias column of query ``i`` and key ``j``, ``j - i + BS - 1``."""
+    offs = torch.arange(block_size, device=device)
+    return offs[None, :] - offs[:, None] + block_size - 1
+
 
 def block_attention_fwd_torch(q, k, v, offsets, table: BlockTable, block_size: int, scale: float,
-                              sinu_pos: torch.Tensor | None, rotate: int) -> torch.Tensor:
+                              sinu_pos: torch.Tensor | None, rotate: int, options: InBlock) -> torch.Tensor:
     """``out [N, Hq, D]`` in ``q``'s dtype."""
     n, dtype = q.shape[0], q.dtype
-    blocks = _Blocks(*_turned_inputs(q, k, v, sinu_pos, rotate), offsets, table, block_size, scale)
-    return blocks.scatter(blocks.p @ blocks.v, n).to(dtype)
+    blocks = _Blocks(*_turned_inputs(q, k, v, sinu_pos, rotate), offsets, table, block_size, scale, options)
+    return blocks.scatter(blocks.dropped(blocks.p) @ blocks.v, n).to(dtype)
 
 
 def block_attention_bwd_torch(grad_out, q, k, v, offsets, table: BlockTable, block_size: int, scale: float,
-                              sinu_pos: torch.Tensor | None, rotate: int,
-                              grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-    """Write ``(dq, dk, dv)``, the gradients of the unrotated inputs, into ``grads``."""
+                              sinu_pos: torch.Tensor | None, rotate: int, options: InBlock,
+                              grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple:
+    """Write ``(dq, dk, dv)``, the gradients of the unrotated inputs, into ``grads``; return the biases'."""
     n, hkv = q.shape[0], k.shape[1]
     group = q.shape[1] // hkv
-    blocks = _Blocks(*_turned_inputs(q, k, v, sinu_pos, rotate), offsets, table, block_size, scale)
+    blocks = _Blocks(*_turned_inputs(q, k, v, sinu_pos, rotate), offsets, table, block_size, scale, options)
     dob = _gather_blocks(grad_out.to(blocks.q.dtype), blocks.rows, blocks.valid)
     p = blocks.p
-    dp = dob @ blocks.v.transpose(-1, -2)
-    ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale
+    dp = blocks.dropped(dob @ blocks.v.transpose(-1, -2))
+    ds_unscaled = p * (dp - (p * dp).sum(-1, keepdim=True))
+    ds = ds_unscaled * scale
     per_kv_head = (hkv, group)
     block_grads = (ds @ blocks.k,
                    (ds.transpose(-1, -2) @ blocks.q).unflatten(1, per_kv_head).sum(2),
-                   (p.transpose(-1, -2) @ dob).unflatten(1, per_kv_head).sum(2))
+                   (blocks.dropped(p).transpose(-1, -2) @ dob).unflatten(1, per_kv_head).sum(2))
     for name, grad, result in zip("qkv", grads, block_grads):
         result = blocks.scatter(result, n)
         if sinu_pos is not None and rotate & ROTATE_BITS[name]:
             result = rotate_pairs(result, sinu_pos, inverse=True)
         grad.copy_(result)
+    return blocks.bias_grads(ds_unscaled)

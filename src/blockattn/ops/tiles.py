@@ -95,9 +95,13 @@ LOG2E = 1.4426950408889634  # softmax_probs takes the scale times this: exp(x) =
 
 
 @triton.jit
-def softmax_probs(scores, col_ok, qk_scale_log2):
-    """Exact row softmax of a score tile whose every key lies in the tile (``col_ok`` masks the partial block)."""
-    scores = tl.where(col_ok[None, :], scores * qk_scale_log2, float("-inf"))
+def softmax_probs(scores, col_ok, qk_scale_log2, bias=None):
+    """Exact row softmax of a score tile whose every key lies in the tile (``col_ok`` masks the partial block);
+    ``bias`` (log2 units, ``ops.in_block.score_bias``) is added to the scaled scores."""
+    scores = scores * qk_scale_log2
+    if bias is not None:
+        scores = scores + bias
+    scores = tl.where(col_ok[None, :], scores, float("-inf"))
     p = tl.exp2(scores - tl.max(scores, axis=1)[:, None])
     return p / tl.sum(p, axis=1)[:, None]
 

@@ -1,0 +1,273 @@
+"""The in-block options' benchmark (``python -m blockattn bench --options``): on a workload (the ``ads`` preset by
+default), the plain op, each option alone and causal + both biases together, forward, backward (the op alone, from
+the forward's block table) and both (autograd, gradients of q, k, v and the biases), as time over the memory floor
+and as overhead over the plain op in the same run; against the same computation built from FlexAttention
+(``score_mod`` and ``mask_mod``, compiled, on the padded blocks) and from padded SDPA with an additive bias tensor.
+
+Timestamps are increasing within each sequence (gaps of 1 s to 20 min, the shape of a user's history), the time
+bias has 64 buckets, dropout is 0.1. Each baseline's output is checked against blockattn's (SNR) before it is
+timed, except under dropout (other generators). One that cannot run here is recorded with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import blockattn
+from blockattn.ops.in_block import DEFAULT_BUCKET_WIDTH
+from blockattn.reference import snr_db
+
+from .harness import FAILED, UNAVAILABLE, describe, environment, floor_bytes, free_memory, make_case, time_ms
+from .presets import Workload
+
+OPTION_SETS = ("plain", "causal", "pos_bias", "time_bias", "dropout", "causal+pos+time")
+NUM_BUCKETS = 64
+DROPOUT_P = 0.1
+PASSES = ("fwd", "bwd", "fwdbwd")
+MATCH_SNR_DB = 30.0
+OURS = "blockattn"
+
+
+class _Inputs:
+    """One workload's tensors, the learnable biases and the padded-block views the baselines need (untimed)."""
+
+    def __init__(self, w: Workload, seed: int, device: str = "cuda"):
+        self.device = device
+        offsets = w.offsets(seed, device=device)
+        self.case = make_case(w, offsets, seed)
+        case = self.case
+        n, h, bs = case.q.shape[0], case.q.shape[1], case.block_size
+        generator = torch.Generator(device=device).manual_seed(seed + 1)
+        self.timestamps = torch.randint(1, 1200, (n,), device=device, generator=generator).cumsum(0)
+        self.pos_bias = torch.randn(h, 2 * bs - 1, device=device, generator=generator).requires_grad_()
+        self.time_bias = torch.randn(h, NUM_BUCKETS, device=device, generator=generator).requires_grad_()
+        self.rows = case.rows.clamp(max=n - 1)  # [blocks, BS], real blocks only
+        self.lengths = case.valid.sum(1)
+
+    def options(self, name: str) -> dict:
+        chosen = {"causal", "pos_bias", "time_bias"} if name == "causal+pos+time" else {name}
+        kwargs = {}
+        if "causal" in chosen:
+            kwargs["causal"] = True
+        if "pos_bias" in chosen:
+            kwargs["pos_bias"] = self.pos_bias
+        if "time_bias" in chosen:
+            kwargs.update(timestamps=self.timestamps, time_bias=self.time_bias)
+        if "dropout" in chosen:
+            kwargs["dropout_p"] = DROPOUT_P
+        return kwargs
+
+    def leaves(self, kwargs: dict) -> list[torch.Tensor]:
+        """What the backward differentiates: q, k, v and the biases in ``kwargs``."""
+        return [*self.case.inputs] + [kwargs[b] for b in ("pos_bias", "time_bias") if b in kwargs]
+
+    def padded(self, t: torch.Tensor) -> torch.Tensor:
+        """``[N, H, D]`` -> ``[blocks, H, BS, D]``, rows past a block's end read its last row (masked out)."""
+        return t[self.rows].transpose(1, 2)
+
+    def unpadded(self, blocks: torch.Tensor) -> torch.Tensor:
+        """``[blocks, H, BS, D]`` -> ``[N, H, D]``: the valid rows, in token order (real blocks tile ``[0, N)``)."""
+        return blocks.transpose(1, 2)[self.case.valid]
+
+
+def _blockattn(inputs: _Inputs, kwargs: dict) -> dict:
+    case = inputs.case
+    leaves = [t.detach().requires_grad_() for t in case.inputs]
+
+    def forward():
+        return blockattn.block_attention(*leaves, case.offsets, block_size=case.block_size, scale=case.scale,
+                                         **kwargs)
+
+    seed = torch.randint(2**62, (1,), device=inputs.device) if "dropout_p" in kwargs else None
+    options = {**kwargs, "dropout_seed": seed}
+    if "timestamps" in options:
+        options["time_bucket_width"] = DEFAULT_BUCKET_WIDTH
+
+    def backward():  # the op alone, as autograd calls it
+        return torch.ops.blockattn.block_attention_bwd(
+            grad_out=case.do, q=case.q, k=case.k, v=case.v, offsets=case.offsets, sinu_pos=None,
+            **case.table._asdict(), block_size=case.block_size, scale=case.scale, rotate=0, **options)
+
+    return {"fwd": forward, "bwd": backward, "leaves": leaves + inputs.leaves(kwargs)[3:], "out": forward}
+
+
+def _bias_tiles(inputs: _Inputs, kwargs: dict, block_size: int) -> torch.Tensor | None:
+    """The additive ``[blocks, H, BS, BS]`` fp32 bias of the padded baselines, built from the tables (timed: the
+    biases are learnable), ``-inf`` at padded keys and above the diagonal under ``causal``."""
+    offs = torch.arange(block_size, device=inputs.device)
+    keep = offs[None, None, :] < inputs.lengths[:, None, None]
+    if kwargs.get("causal"):
+        keep = keep & (offs[None, :, None] >= offs[None, None, :])
+    bias = torch.zeros(keep.shape, device=inputs.device).masked_fill(~keep, float("-inf"))[:, None]
+    if "pos_bias" in kwargs:
+        bias = bias + kwargs["pos_bias"][:, offs[None, :] - offs[:, None] + block_size - 1]
+    if "time_bias" in kwargs:
+        times = kwargs["timestamps"][inputs.rows]
+        dt = (times[:, None, :] - times[:, :, None]).abs().float().clamp(min=1.0)
+        buckets = (dt.log() / DEFAULT_BUCKET_WIDTH).floor().long().clamp(max=NUM_BUCKETS - 1)
+        bias = bias + kwargs["time_bias"][:, buckets].transpose(0, 1)
+    return bias
+
+
+def _sdpa(inputs: _Inputs, kwargs: dict) -> dict:
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    case = inputs.case
+    leaves = [t.detach().requires_grad_() for t in case.inputs]
+    biases = {k: v.detach().requires_grad_() if k in ("pos_bias", "time_bias") else v for k, v in kwargs.items()}
+    group = case.q.shape[1] // case.k.shape[1]
+
+    def forward():
+        q, k, v = (inputs.padded(t) for t in leaves)
+        mask = _bias_tiles(inputs, biases, case.block_size).to(q.dtype)
+        out = sdpa(q, k, v, attn_mask=mask, dropout_p=biases.get("dropout_p", 0.0), scale=case.scale,
+                   enable_gqa=group > 1)
+        return inputs.unpadded(out)
+
+    return {"fwd": forward, "leaves": leaves + [biases[b] for b in ("pos_bias", "time_bias") if b in biases],
+            "out": forward}
+
+
+def _flex(inputs: _Inputs, kwargs: dict) -> dict:
+    if "dropout_p" in kwargs:
+        raise NotImplementedError("FlexAttention has no dropout")
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    case = inputs.case
+    bs = case.block_size
+    leaves = [t.detach().requires_grad_() for t in case.inputs]
+    biases = {k: v.detach().requires_grad_() if k in ("pos_bias", "time_bias") else v for k, v in kwargs.items()}
+    lengths, causal = inputs.lengths, kwargs.get("causal", False)
+    times = kwargs["timestamps"][inputs.rows] if "timestamps" in kwargs else None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = kv_idx < lengths[b]
+        return visible & (kv_idx <= q_idx) if causal else visible
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if "pos_bias" in biases:
+            score = score + biases["pos_bias"][h, kv_idx - q_idx + bs - 1]
+        if times is not None:
+            dt = (times[b, kv_idx] - times[b, q_idx]).abs().float().clamp(min=1.0)
+            bucket = (dt.log() / DEFAULT_BUCKET_WIDTH).floor().long().clamp(max=NUM_BUCKETS - 1)
+            score = score + biases["time_bias"][h, bucket]
+        return score
+
+    block_mask = create_block_mask(mask_mod, lengths.numel(), None, bs, bs, device=inputs.device, BLOCK_SIZE=bs)
+    # Compiled, as FlexAttention is meant to run (eager is a slow reference); eager off the GPU, for the tests.
+    attend = torch.compile(flex_attention, fullgraph=True) if inputs.device == "cuda" else flex_attention
+    group = case.q.shape[1] // case.k.shape[1]
+
+    def forward():
+        q, k, v = (inputs.padded(t) for t in leaves)
+        out = attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.scale, enable_gqa=group > 1)
+        return inputs.unpadded(out)
+
+    return {"fwd": forward, "leaves": leaves + [biases[b] for b in ("pos_bias", "time_bias") if b in biases],
+            "out": forward}
+
+
+IMPLEMENTATIONS = {OURS: _blockattn, "FlexAttention (padded blocks)": _flex, "SDPA + bias (padded blocks)": _sdpa}
+
+
+def _timings(calls: dict, do: torch.Tensor, rep_ms: int) -> dict:
+    """Median (and p20/p80) ms of each pass; the backward of an autograd-only implementation from one saved
+    forward (retain_graph), which times the backward kernels and the bias gathers' gradients."""
+    leaves = calls["leaves"]
+
+    def fwdbwd():
+        return torch.autograd.grad(calls["fwd"](), leaves, do)
+
+    timed = {"fwd": calls["fwd"], "fwdbwd": fwdbwd}
+    if "bwd" in calls:
+        timed["bwd"] = calls["bwd"]
+    else:
+        saved = calls["fwd"]()
+        timed["bwd"] = lambda: torch.autograd.grad(saved, leaves, do, retain_graph=True)
+    return {p: time_ms(timed[p], rep_ms) for p in PASSES}
+
+
+def run(w: Workload, rep_ms: int, seed: int, progress) -> dict:
+    """Every option set and implementation on ``w``; a JSON-able report."""
+    from .harness import copy_bandwidth_tbps
+
+    tbps = copy_bandwidth_tbps(rep_ms)
+    inputs = _Inputs(w, seed)
+    n = inputs.case.q.shape[0]
+    floors = {p: b / (tbps * 1e12) * 1e3 for p, b in floor_bytes(w, n).items()}
+    rows, skipped = [], []
+    task = progress.add_task("in-block options", total=len(OPTION_SETS) * len(IMPLEMENTATIONS))
+    for option in OPTION_SETS:
+        kwargs = inputs.options(option)
+        expected = None
+        for impl, build in IMPLEMENTATIONS.items():
+            progress.update(task, description=f"{option}: {impl}")
+            where = {"option": option, "impl": impl}
+            try:
+                calls = build(inputs, kwargs)
+                out = calls["out"]()
+                if impl == OURS:
+                    expected = out.detach().float()
+                elif "dropout_p" not in kwargs and expected is not None:
+                    snr = snr_db(out.detach().float(), expected)
+                    if not snr >= MATCH_SNR_DB:
+                        raise ValueError(f"differs from blockattn's result (SNR {snr:.1f} dB)")
+                out = None
+                for p, ms in _timings(calls, inputs.case.do, rep_ms).items():
+                    rows.append({**where, "pass": p, "ms": ms["p50"], "quantiles_ms": ms, "floor_ms": floors[p],
+                                 "x_floor": ms["p50"] / floors[p]})
+            except NotImplementedError as error:
+                skipped.append({**where, "status": UNAVAILABLE, "reason": str(error)})
+            except Exception as error:  # noqa: BLE001 -- whatever one implementation raises, the others still run
+                skipped.append({**where, "status": FAILED, "reason": describe(error)})
+            finally:
+                calls = None
+                free_memory()
+            progress.advance(task)
+    plain = {r["pass"]: r["ms"] for r in rows if r["impl"] == OURS and r["option"] == "plain"}
+    ours = {(r["option"], r["pass"]): r["ms"] for r in rows if r["impl"] == OURS}
+    for r in rows:
+        r["x_plain"] = r["ms"] / plain[r["pass"]] if r["pass"] in plain else None
+        mine = ours.get((r["option"], r["pass"]))
+        r["blockattn_speedup"] = r["ms"] / mine if mine and r["impl"] != OURS else None
+    return {"environment": environment(), "copy_bandwidth_tbps": tbps, "workload": w.to_dict(), "tokens": n,
+            "num_buckets": NUM_BUCKETS, "dropout_p": DROPOUT_P, "floor_ms": floors, "results": rows,
+            "skipped": skipped}
+
+
+def print_report(report: dict, console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    env = report["environment"]
+    console.print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; copy bandwidth "
+                  f"{report['copy_bandwidth_tbps']:.2f} TB/s; {report['workload']['name']}, {report['tokens']} tokens")
+    table = Table(title="in-block options: time per call")
+    for col in ("option", "implementation", "pass", "ms", "x floor", "x plain", "blockattn speedup", "notes"):
+        table.add_column(col, overflow="fold")
+    for option in OPTION_SETS:
+        for r in (r for r in report["results"] if r["option"] == option):
+            speedup = r["blockattn_speedup"]
+            table.add_row(*(Text(c) for c in (option, r["impl"], r["pass"], f"{r['ms']:.3f}", f"{r['x_floor']:.2f}",
+                                              f"{r['x_plain']:.2f}" if r["x_plain"] else "-",
+                                              f"{speedup:.2f}x" if speedup else "-", "")))
+        for s in (s for s in report["skipped"] if s["option"] == option):
+            table.add_row(*(Text(c) for c in (option, s["impl"], "-", "-", "-", "-", "-",
+                                              f"{s['status']}: {s['reason']}")))
+    console.print(table)
+    console.print("x floor: ms over the plain op's memory floor (q, k, v, o; + dO, dq, dk, dv backward) at the copy "
+                  "bandwidth; x plain: ms over blockattn's plain op in the same pass; blockattn speedup: this "
+                  "implementation's ms over blockattn's with the same option. bwd: blockattn's backward op alone, "
+                  "the baselines' autograd backward from one saved forward; fwdbwd: autograd, gradients of q, k, v "
+                  "and the biases.")
+
+
+def write_file(report: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "options.json"
+    path.write_text(json.dumps(report, indent=2))
+    return path
+

@@ -1,0 +1,307 @@
+"""What recommendation models put inside a block (docs/semantics.md, "Inside a block"): a causal mask, a relative
+position bias, a relative time bias over log-scaled buckets and dropout on the probabilities.
+
+Here are the tile helpers the Triton kernels call, the host side that turns the options into kernel arguments, and
+the two pieces the PyTorch path and the tests must share with the kernels bit for bit: the time buckets' edges and
+the dropout stream (Philox 4x32-10, Triton's ``tl.philox``, and its PyTorch twin :func:`dropout_keep`).
+
+Time buckets: ``bucket(dt) = min(B - 1, floor(ln(max(|dt|, 1)) / width))``, ``dt`` rounded to fp32 first. The
+kernels estimate it with a fast ``log2`` and correct the estimate by one step against a table of edges
+(``edges[k]`` the smallest fp32 ``>= exp(k * width)``), so they agree exactly with the definition on every fp32
+``|dt|``: ``bucket(a) >= k`` exactly when ``a >= edges[k]``.
+
+Dropout: the word of key ``j`` of query ``i`` of a block starting at token ``start``, head ``h``, is output
+``j % 4`` of ``philox(seed, c0 = i * BS / 4 + j // 4, c1 = start, c2 = h, c3 = 0)``; the probability is kept when
+the word is at least ``floor(p * 2**32)``, i.e. with probability ``1 - p`` (to 2**-32), and scaled by
+``1 / (1 - p)``. The forward and the backward regenerate the same words; nothing is stored. The seed is one int64
+drawn from PyTorch's generator per call (reproducible from ``torch.manual_seed``, and new at each CUDA-graph replay).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .tiles import LOG2E, in_block_rows, softmax_probs
+
+# Kernels read globals only as constexprs.
+_LOG2E = tl.constexpr(LOG2E)
+# The options as bits of the ``IN_BLOCK`` constexpr of the kernels (constant first, as for ``tiles.ROTATE_*``).
+CAUSAL = tl.constexpr(1)
+POS_BIAS = tl.constexpr(2)
+TIME_BIAS = tl.constexpr(4)
+DROPOUT = tl.constexpr(8)
+# The log-bucketing width of generative-recommender models (the public functions' default).
+DEFAULT_BUCKET_WIDTH = 0.301
+# Below this bucket width the fast log2 could be off by more than the one step the edges correct.
+MIN_BUCKET_WIDTH = 1e-3
+_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_ROUNDS = 10
+
+
+class InBlock(NamedTuple):
+    """The in-block options of one call, checked (``checks.in_block``). ``seed``: an int64 ``[1]`` tensor on the
+    inputs' device, drawn when ``dropout_p > 0``."""
+
+    causal: bool = False
+    pos_bias: torch.Tensor | None = None
+    timestamps: torch.Tensor | None = None
+    time_bias: torch.Tensor | None = None
+    bucket_width: float = DEFAULT_BUCKET_WIDTH
+    dropout_p: float = 0.0
+    seed: torch.Tensor | None = None
+
+    @property
+    def bits(self) -> int:
+        """The ``IN_BLOCK`` mask of the kernels (0: the plain op)."""
+        return ((CAUSAL.value if self.causal else 0) | (POS_BIAS.value if self.pos_bias is not None else 0)
+                | (TIME_BIAS.value if self.time_bias is not None else 0)
+                | (DROPOUT.value if self.dropout_p > 0 else 0))
+
+    @property
+    def biased(self) -> bool:
+        return self.pos_bias is not None or self.time_bias is not None
+
+    def keep_threshold(self) -> int:
+        """Words below this are dropped: ``floor(p * 2**32)``."""
+        return math.floor(self.dropout_p * 2**32)
+
+
+PLAIN = InBlock()
+
+
+@functools.lru_cache(maxsize=64)
+def bucket_edges(num_buckets: int, width: float, device: torch.device) -> torch.Tensor:
+    """``[num_buckets + 1]`` fp32: ``edges[k]``, the smallest fp32 ``>= exp(k * width)`` (computed on ``device``, no
+    host copy; cached, so a CUDA graph captured after the first call reads the same buffer)."""
+    exact = torch.exp(torch.arange(num_buckets + 1, device=device, dtype=torch.float64) * width)
+    edges = exact.float()
+    return torch.where(edges.double() < exact, torch.nextafter(edges, edges.new_tensor(float("inf"))), edges)
+
+
+def time_buckets(dt_abs: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """Buckets of fp32 ``|dt|`` values: the number of ``edges[1 : B]`` at or below each."""
+    return torch.searchsorted(edges[1:-1].contiguous(), dt_abs.float().contiguous(), right=True)
+
+
+def abs_time_deltas(t_query: torch.Tensor, t_key: torch.Tensor) -> torch.Tensor:
+    """``|t_key - t_query|`` exactly (int64) or in fp32 (float timestamps), then rounded to fp32, as the kernels."""
+    if t_query.dtype.is_floating_point:
+        return (t_key.float() - t_query.float()).abs()
+    return (t_key.long() - t_query.long()).abs().float()
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of the 64-bit product of the 32-bit ``a`` and ``b`` (int64 tensors, no overflow)."""
+    b_lo, b_hi = b & 0xFFFF, b >> 16
+    low_part, high_part = a * b_lo, a * b_hi  # each below 2**48
+    hi = (high_part + (low_part >> 16)) >> 16
+    lo = (((high_part & 0xFFFF) << 16) + low_part) & 0xFFFFFFFF
+    return hi, lo
+
+
+def philox(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor) -> list[torch.Tensor]:
+    """Philox 4x32-10 on int64 tensors holding uint32 values, as ``tl.philox`` (key: the seed's low and high
+    words); returns the four output words."""
+    mask = 0xFFFFFFFF
+    k0, k1 = seed & mask, (seed >> 32) & mask
+    for _ in range(_PHILOX_ROUNDS):
+        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUND[1], c2)
+        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUND[0], c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY[0]) & mask, (k1 + _PHILOX_KEY[1]) & mask
+    return [c0, c1, c2, c3]
+
+
+def dropout_keep(seed: int, starts: torch.Tensor, num_heads: int, block_size: int, dropout_p: float) -> torch.Tensor:
+    """Which probabilities the kernels keep: bool ``[len(starts), num_heads, BS, BS]`` for blocks starting at token
+    rows ``starts`` (query ``i``, key ``j``). The PyTorch path's dropout, and the tests' view of the kernels' mask."""
+    device = starts.device
+    i = torch.arange(block_size, device=device)[:, None]
+    j = torch.arange(block_size, device=device)[None, :]
+    c0 = (i * (block_size // 4) + j // 4).expand(block_size, block_size)
+    shape = (starts.numel(), num_heads, block_size, block_size)
+    c0 = c0.expand(shape)
+    c1 = (starts.long() & 0xFFFFFFFF).view(-1, 1, 1, 1).expand(shape)
+    c2 = torch.arange(num_heads, device=device).view(1, -1, 1, 1).expand(shape)
+    words = torch.stack(philox(seed, c0, c1, c2, torch.zeros_like(c0)), dim=-1)
+    word = words.gather(-1, (j % 4).expand(shape).unsqueeze(-1)).squeeze(-1)
+    return word >= InBlock(dropout_p=dropout_p).keep_threshold()
+
+
+def kernel_args(options: InBlock, like: torch.Tensor) -> dict:
+    """The kernels' in-block arguments; absent tensors are stood in for by ``like`` (never read)."""
+    pos, times, bias = options.pos_bias, options.timestamps, options.time_bias
+    num_buckets = bias.shape[1] if bias is not None else 1
+    edges = bucket_edges(num_buckets, options.bucket_width, like.device) if bias is not None else like
+    return {
+        "pos_bias_ptr": pos if pos is not None else like,
+        "stride_pbh": pos.stride(0) if pos is not None else 0,
+        "stride_pbw": pos.stride(1) if pos is not None else 0,
+        "timestamps_ptr": times if times is not None else like,
+        "stride_ts": times.stride(0) if times is not None else 0,
+        "time_bias_ptr": bias if bias is not None else like,
+        "stride_tbh": bias.stride(0) if bias is not None else 0,
+        "stride_tbb": bias.stride(1) if bias is not None else 0,
+        "edges_ptr": edges,
+        "num_buckets": num_buckets,
+        "bucket_scale": math.log(2) / options.bucket_width,
+        "seed_ptr": options.seed if options.seed is not None else like,
+        "keep_threshold": options.keep_threshold(),
+        "keep_scale": 1.0 / (1.0 - options.dropout_p),
+        "IN_BLOCK": options.bits,
+    }
+
+
+def bias_grad_partials(options: InBlock, num_slots: int, num_heads: int, block_size: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block partial sums of the bias gradients that the backward kernels write (fp32, zero where a block has
+    no pair), summed over blocks in a fixed order afterwards: deterministic. 1-element stand-ins where a bias is
+    absent."""
+    def partials(bias, width):
+        if bias is None:
+            return torch.zeros(1, device=device, dtype=torch.float32)
+        return torch.zeros(num_slots, num_heads, width, device=device, dtype=torch.float32)
+    return (partials(options.pos_bias, 2 * block_size - 1),
+            partials(options.time_bias, options.time_bias.shape[1] if options.time_bias is not None else 0))
+
+
+def summed_bias_grads(options: InBlock, partials: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """``(dpos_bias, dtime_bias)`` from the partials, in the biases' dtypes (None where a bias is absent)."""
+    return tuple(None if bias is None else part.sum(0).to(bias.dtype)
+                 for bias, part in zip((options.pos_bias, options.time_bias), partials))
+
+
+@triton.jit
+def _time_buckets(rows, row_ok, mods):
+    """``[BS, BS]`` int32 buckets of ``|t_j - t_i|`` for query rows ``i`` and key rows ``j`` of one block: a fast
+    log2 estimate, corrected by one step against ``edges`` (exact on every fp32 ``|dt|``). Rows past the block's
+    end read its first row: their buckets stay among the block's own (the gradient loops over that range).
+    ``mods``: the kernels' in-block arguments (:func:`kernel_args`) as one tuple."""
+    timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale = mods[3], mods[4], mods[8], mods[9], mods[10]
+    t = tl.load(timestamps_ptr + in_block_rows(rows, row_ok) * stride_ts)
+    if t.dtype.is_floating():
+        dt = tl.abs(t[None, :].to(tl.float32) - t[:, None].to(tl.float32))
+    else:
+        dt = tl.abs(t[None, :].to(tl.int64) - t[:, None].to(tl.int64)).to(tl.float32)
+    a = tl.maximum(dt, 1.0)
+    x = tl.log2(a) * bucket_scale
+    guess = tl.minimum(x.to(tl.int32), num_buckets - 1)
+    # The estimate is off by at most one, and only where x lies within the log2's error of an integer: only there
+    # are the edges read (a masked load reads nothing), 2**-12 buckets per unit of bucket_scale being far above it.
+    fraction = x - x.to(tl.int32).to(tl.float32)
+    near = (fraction < bucket_scale * 2.0**-12) | (fraction > 1.0 - bucket_scale * 2.0**-12)
+    below = a < tl.load(edges_ptr + guess, mask=near, other=0.0)
+    above = a >= tl.load(edges_ptr + guess + 1, mask=near, other=float("inf"))
+    return tl.minimum(tl.maximum(guess - below.to(tl.int32) + above.to(tl.int32), 0), num_buckets - 1)
+
+
+@triton.jit
+def _score_bias(head, bucket, mods, BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr):
+    """What head ``head`` adds to a block's scaled scores, in log2 units (``softmax_probs`` works in base 2):
+    ``(pos_bias + time_bias[bucket]) * log2(e)``, ``-inf`` above the diagonal under ``CAUSAL``. (Triton 3.6 cannot
+    return None from a function: callers ask only where one of these options is on.)"""
+    offs = tl.arange(0, BLOCK_SIZE)
+    bias = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+    if POS_BIAS & IN_BLOCK:
+        rel = offs[None, :] - offs[:, None] + (BLOCK_SIZE - 1)
+        bias += tl.load(mods[0] + head * mods[1] + rel * mods[2]).to(tl.float32) * _LOG2E
+    if TIME_BIAS & IN_BLOCK:
+        bias += tl.load(mods[5] + head * mods[6] + bucket * mods[7]).to(tl.float32) * _LOG2E
+    if CAUSAL & IN_BLOCK:
+        bias = tl.where(offs[None, :] > offs[:, None], float("-inf"), bias)
+    return bias
+
+
+@triton.jit
+def _keep_factors(start, head, mods, BLOCK_SIZE: tl.constexpr):
+    """``[BS, BS]`` dropout factors of one (block, head): ``1 / (1 - p)`` where the probability is kept, 0 where it
+    is dropped. Four words per Philox call, interleaved along the keys."""
+    seed_ptr, keep_threshold, keep_scale = mods[11], mods[12], mods[13]
+    QUARTER: tl.constexpr = BLOCK_SIZE // 4
+    c0 = (tl.arange(0, BLOCK_SIZE)[:, None] * QUARTER + tl.arange(0, QUARTER)[None, :]).to(tl.uint32)
+    zero = c0 * 0
+    c1 = zero + start.to(tl.uint32)
+    c2 = zero + head.to(tl.uint32)
+    r0, r1, r2, r3 = tl.philox(tl.load(seed_ptr), c0, c1, c2, zero)
+    # join stacks on a new last axis: [.., m, u, v] holds word 2u + v of call m, i.e. key j = 4m + 2u + v.
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_SIZE, BLOCK_SIZE))
+    return tl.where(words.to(tl.int64) >= keep_threshold, keep_scale, 0.0)
+
+
+@triton.jit
+def _write_bias_grads(ds, bucket, slot_head, write, dpos_ptr, dtime_ptr, num_buckets, BLOCK_SIZE: tl.constexpr,
+                      IN_BLOCK: tl.constexpr):
+    """One (block, head)'s share of the bias gradients, ``ds = dL/ds(i, j)`` (fp32, zero off the valid pairs),
+    into row ``slot_head`` of the partial buffers where ``write``: the sums of ``ds`` along each diagonal ``j - i``
+    (the position bias) and over each time bucket present in the block."""
+    if POS_BIAS & IN_BLOCK:
+        WIDTH: tl.constexpr = 2 * BLOCK_SIZE - 1
+        offs = tl.arange(0, BLOCK_SIZE)
+        # skew[i, c] = ds[i, (i + c) % BS]: column c holds diagonal c (i + c < BS) and diagonal c - BS (wrapped).
+        shifted = offs[:, None] + offs[None, :]
+        wrapped = shifted >= BLOCK_SIZE
+        skew = tl.gather(ds, tl.where(wrapped, shifted - BLOCK_SIZE, shifted), axis=1)
+        upper = tl.sum(tl.where(wrapped, 0.0, skew), axis=0)
+        lower = tl.sum(tl.where(wrapped, skew, 0.0), axis=0)
+        base = dpos_ptr + slot_head.to(tl.int64) * WIDTH
+        written = offs < BLOCK_SIZE * write.to(tl.int32)  # all or none
+        tl.store(base + (BLOCK_SIZE - 1) + offs, upper, mask=written)
+        tl.store(base + offs - 1, lower, mask=(offs > 0) & written)
+    if TIME_BIAS & IN_BLOCK:
+        base = dtime_ptr + slot_head.to(tl.int64) * num_buckets
+        first = tl.min(tl.min(bucket, axis=1), axis=0)
+        last = tl.where(write, tl.max(tl.max(bucket, axis=1), axis=0), first - 1)
+        for b in range(first, last + 1):
+            tl.store(base + b, tl.sum(tl.where(bucket == b, ds, 0.0)))
+
+
+@triton.jit
+def block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE: tl.constexpr,
+                IN_BLOCK: tl.constexpr):
+    """The forward's probabilities of one (block, head), fp32: the softmax of the scaled, biased, masked scores,
+    times the dropout factors. ``mods``: the kernels' in-block arguments (:func:`kernel_args`) as one tuple."""
+    if TIME_BIAS & IN_BLOCK:
+        bucket = _time_buckets(rows, row_ok, mods)
+    else:
+        bucket = rows  # not read
+    if (CAUSAL | POS_BIAS | TIME_BIAS) & IN_BLOCK:
+        p = softmax_probs(scores, row_ok, qk_scale_log2, _score_bias(head, bucket, mods, BLOCK_SIZE, IN_BLOCK))
+    else:
+        p = softmax_probs(scores, row_ok, qk_scale_log2)
+    if DROPOUT & IN_BLOCK:
+        p = p * _keep_factors(start, head, mods, BLOCK_SIZE)
+    return p
+
+
+@triton.jit
+def block_probs_and_grads(scores, dp, start, head, slot_head, write_bias_grads, rows, row_ok, qk_scale_log2,
+                          ds_scale, dtype: tl.constexpr, mods, dpos_ptr, dtime_ptr,
+                          BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr):
+    """The backward's ``(P, dS)`` of one (block, head) in ``dtype``, ``P`` with the dropout factors applied (it
+    multiplies dO into dV) and ``dS = P * (dP - rowsum(P * dP))`` times ``ds_scale``, where ``dP`` (of the
+    undropped probabilities) is ``dO V^T`` times the same factors. Where ``write_bias_grads``, the block's share of
+    the bias gradients goes to row ``slot_head`` of the partial buffers."""
+    if TIME_BIAS & IN_BLOCK:
+        bucket = _time_buckets(rows, row_ok, mods)
+    else:
+        bucket = rows  # not read
+    if (CAUSAL | POS_BIAS | TIME_BIAS) & IN_BLOCK:
+        p = softmax_probs(scores, row_ok, qk_scale_log2, _score_bias(head, bucket, mods, BLOCK_SIZE, IN_BLOCK))
+    else:
+        p = softmax_probs(scores, row_ok, qk_scale_log2)
+    if DROPOUT & IN_BLOCK:
+        keep = _keep_factors(start, head, mods, BLOCK_SIZE)
+        dp = dp * keep
+    ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
+    if (POS_BIAS | TIME_BIAS) & IN_BLOCK:
+        _write_bias_grads(ds, bucket, slot_head, write_bias_grads, dpos_ptr, dtime_ptr, mods[9], BLOCK_SIZE, IN_BLOCK)
+    if DROPOUT & IN_BLOCK:
+        p = p * keep
+    return p.to(dtype), (ds * ds_scale).to(dtype)

@@ -1,0 +1,478 @@
+"""The in-block options (causal mask, relative position and time biases, dropout) against the float64 reference:
+every backend through its launchers (Triton's interpreter on CPU, the real kernels on a GPU), the public ops with
+autograd, the dropout stream, validation, torch.compile, CUDA graphs."""
+
+
+import pytest
+import torch
+from conftest import (
+    BLOCK_SIZES,
+    HAS_GPU,
+    KERNEL_DEVICE,
+    absolute_slack,
+    capture_cuda_graph,
+    make_offsets,
+    max_err,
+    odd_lengths,
+    random_angles,
+    random_inputs,
+    requires_gpu,
+    rotated_reference,
+    rounding_allowance,
+    run_backend,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import blockattn
+from blockattn import backends
+from blockattn.block_table import build_block_table
+from blockattn.ops import in_block
+from blockattn.ops.in_block import InBlock, dropout_keep
+from blockattn.ops.tiles import ROTATE_ALL
+from blockattn.reference import block_attention_reference
+
+OPTIONS = ["causal", "pos", "time", "dropout", "causal+pos+time", "all"]
+# Triton's interpreter (no GPU) is slow: there the kernels get each option at one block size and dtype, and all
+# options together at a second of each; the GPU gets every block size (and the accuracy contract below).
+KERNEL_CASES = ([(n, bs, torch.bfloat16) for n in OPTIONS for bs in BLOCK_SIZES]
+                + [("all", bs, dt) for bs in (32, 128) for dt in (torch.float16, torch.float32)] if HAS_GPU
+                else [(n, 16, torch.float16) for n in OPTIONS] + [("all", 32, torch.float32)])
+
+
+def make_options(names: str, hq: int, block_size: int, n: int, device, bias_dtype=torch.float32,
+                 dropout_p=0.25, num_buckets=24) -> InBlock:
+    """Options named by ``names`` (``"all"``: every one) with random biases and integer timestamps that span many
+    buckets."""
+    chosen = {"causal", "pos", "time", "dropout"} if names == "all" else set(names.split("+"))
+    return InBlock(
+        causal="causal" in chosen,
+        pos_bias=torch.randn(hq, 2 * block_size - 1, device=device).to(bias_dtype) if "pos" in chosen else None,
+        timestamps=torch.randint(0, 10**6, (n,), device=device) if "time" in chosen else None,
+        time_bias=torch.randn(hq, num_buckets, device=device).to(bias_dtype) if "time" in chosen else None,
+        dropout_p=dropout_p if "dropout" in chosen else 0.0,
+        seed=torch.randint(2**62, (1,), device=device) if "dropout" in chosen else None,
+    )
+
+
+def reference(q, k, v, do, offsets, block_size, options: InBlock, compute_dtype=torch.float64, sinu_pos=None,
+              rotate=0):
+    """Reference ``[out, dq, dk, dv, dpos_bias?, dtime_bias?]`` in ``compute_dtype`` with the kernels' dropout
+    mask."""
+    leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    biases = [b.detach().to(compute_dtype).requires_grad_() for b in (options.pos_bias, options.time_bias)
+              if b is not None]
+    pos = biases[0] if options.pos_bias is not None else None
+    time = biases[-1] if options.time_bias is not None else None
+
+    def mask(start, length):
+        keep = dropout_keep(options.seed, torch.tensor([start], device=q.device), q.shape[1], block_size,
+                            options.dropout_p)
+        return keep[0, :, :length, :length]
+
+    out = block_attention_reference(*rotated_reference(leaves, sinu_pos, rotate, compute_dtype), offsets,
+                                    block_size=block_size, causal=options.causal, pos_bias=pos,
+                                    timestamps=options.timestamps, time_bias=time,
+                                    time_bucket_width=options.bucket_width, dropout_p=options.dropout_p,
+                                    dropout_mask=mask, compute_dtype=compute_dtype)
+    inputs = leaves + biases
+    grads = (torch.autograd.grad(out, inputs, do.to(compute_dtype), allow_unused=True) if out.requires_grad
+             else [None] * len(inputs))  # no tokens: the reference returns a constant
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
+    return [out.detach(), *grads]
+
+
+def run(name, q, k, v, do, offsets, block_size, options, sinu_pos=None, rotate=0):
+    """``[out, dq, dk, dv, dpos_bias?, dtime_bias?]`` of one backend's launchers."""
+    return list(run_backend(name, q, k, v, do, offsets, block_size, sinu_pos, rotate, in_block=options))
+
+
+def assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, options, sinu_pos=None, rotate=0):
+    """As conftest's: each result's max error vs float64 at most 2x PyTorch's own in the inputs' precision, plus
+    one rounding and an absolute slack (bias gradients are sums over many blocks: their slack scales with N)."""
+    exact = reference(q, k, v, do, offsets, block_size, options, sinu_pos=sinu_pos, rotate=rotate)
+    same = reference(q, k, v, do, offsets, block_size, options, q.dtype, sinu_pos=sinu_pos, rotate=rotate)
+    names = ["out", "dq", "dk", "dv"] + [n for n, b in (("dpos_bias", options.pos_bias),
+                                                        ("dtime_bias", options.time_bias)) if b is not None]
+    assert len(results) == len(exact)
+    for name, got, ref, pt in zip(names, results, exact, same):
+        assert got.shape == ref.shape, name
+        assert torch.isfinite(got).all(), f"{name}: non-finite values (unwritten or NaN)"
+        err, pt_err = max_err(got, ref), max_err(pt, ref)
+        bound = 2 * pt_err + rounding_allowance(ref, q.dtype) + absolute_slack(q.dtype)
+        assert err <= bound, f"{name}: max error {err:.3e} > 2 x PyTorch's {pt_err:.3e} + one rounding"
+
+
+@pytest.mark.parametrize("names,block_size,dtype", KERNEL_CASES)
+def test_kernels_each_option_odd_lengths_gqa(names, block_size, dtype, poisoned_outputs):
+    q, k, v, do, offsets = random_inputs(odd_lengths(block_size), 4, 2, 32, dtype, KERNEL_DEVICE)
+    options = make_options(names, 4, block_size, q.shape[0], KERNEL_DEVICE)
+    assert_within_2x_pytorch(run("triton", q, k, v, do, offsets, block_size, options), q, k, v, do, offsets,
+                             block_size, options)
+
+
+@pytest.mark.parametrize("names", OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_torch_path_each_option(names, dtype, poisoned_outputs):
+    q, k, v, do, offsets = random_inputs(odd_lengths(16), 6, 2, 24, dtype, "cpu", torch.int64)
+    # float64 biases with float64 inputs: float32 ones would return float32 gradients, rounded.
+    options = make_options(names, 6, 16, q.shape[0], "cpu", torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_within_2x_pytorch(run("torch", q, k, v, do, offsets, 16, options), q, k, v, do, offsets, 16, options)
+
+
+@pytest.mark.parametrize("block_size,head_dim,hq,hkv", [(16, 256, 2, 2), (32, 200, 4, 1)] + (
+    [(128, 136, 2, 1), (64, 128, 2, 2)] if HAS_GPU else []))
+def test_kernels_all_options_head_dims_and_slices(block_size, head_dim, hq, hkv, poisoned_outputs):
+    """Head dims that split into slices (several programs share a block's dS: one writes the bias gradients), and
+    the production shape (its persistent backward takes no options: the one-block kernel does)."""
+    q, k, v, do, offsets = random_inputs([block_size + 3, 5], hq, hkv, head_dim, torch.float16, KERNEL_DEVICE)
+    options = make_options("all", hq, block_size, q.shape[0], KERNEL_DEVICE)
+    assert_within_2x_pytorch(run("triton", q, k, v, do, offsets, block_size, options), q, k, v, do, offsets,
+                             block_size, options)
+
+
+@pytest.mark.parametrize("heads,names", [((4, 1), "all")] + ([((2, 2), "causal+pos+time")] if HAS_GPU else []))
+def test_kernels_options_with_fused_rotary(heads, names, poisoned_outputs):
+    q, k, v, do, offsets = random_inputs(odd_lengths(16), *heads, 32, torch.float32, KERNEL_DEVICE)
+    sinu_pos = random_angles(q.shape[0], 32, device=KERNEL_DEVICE)
+    options = make_options(names, heads[0], 16, q.shape[0], KERNEL_DEVICE)
+    results = run("triton", q, k, v, do, offsets, 16, options, sinu_pos, ROTATE_ALL)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 16, options, sinu_pos, ROTATE_ALL)
+
+
+@settings(max_examples=10 if HAS_GPU else 4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(0, 50), min_size=1, max_size=4),
+    block_size=st.sampled_from([16, 32]),
+    heads=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
+    names=st.sampled_from(OPTIONS),
+    bias_dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernels_random_shapes(lengths, block_size, heads, names, bias_dtype, seed):
+    torch.manual_seed(seed)
+    q, k, v, do, offsets = random_inputs(lengths, *heads, 16, torch.float16, KERNEL_DEVICE)
+    options = make_options(names, heads[0], block_size, q.shape[0], KERNEL_DEVICE, bias_dtype)
+    assert_within_2x_pytorch(run("triton", q, k, v, do, offsets, block_size, options), q, k, v, do, offsets,
+                             block_size, options)
+
+
+@pytest.mark.parametrize("timestamps_dtype", [torch.int64, torch.float32])
+def test_time_buckets_exact_at_the_edges(timestamps_dtype):
+    """Key times exactly at each bucket's edge and one fp32 step below it: the kernels' fast log2 plus correction
+    and the PyTorch path's searchsorted give the reference's buckets (a wrong bucket moves a score by ~10)."""
+    num_buckets, width = 20, 0.301
+    exact = torch.exp(torch.arange(1, num_buckets, dtype=torch.float64) * width)
+    if timestamps_dtype == torch.int64:
+        deltas = torch.cat([exact.ceil(), exact.ceil() - 1]).long()
+    else:
+        edges = in_block.bucket_edges(num_buckets, width, torch.device("cpu"))[1:-1]
+        deltas = torch.cat([edges, torch.nextafter(edges, torch.zeros(()))])
+    # One block of 64: a query at t = 0 and keys at +-delta.
+    times = torch.cat([torch.zeros(1, dtype=deltas.dtype), deltas, -deltas[:25]])[:64].to(timestamps_dtype)
+    n = times.numel()
+    offsets = make_offsets([n])
+    q, k, v, do, _ = random_inputs([n], 1, 1, 16, torch.float32, "cpu")
+    q = q * 0.01  # flat scores: the bias decides
+    time_bias = torch.arange(num_buckets, dtype=torch.float32)[None] * 10.0 % 7.0
+    options = InBlock(timestamps=times, time_bias=time_bias)
+    for name in ("torch", "triton"):
+        device = "cpu" if name == "torch" or not HAS_GPU else "cuda"
+        moved = [t.to(device) for t in (q, k, v, do, offsets)]
+        opts = InBlock(timestamps=times.to(device), time_bias=time_bias.to(device))
+        out = run(name, *moved, 64, opts)[0]
+        ref = reference(q, k, v, do, offsets, 64, options)[0]
+        torch.testing.assert_close(out.double().cpu(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_philox_twin_matches_triton():
+    """The PyTorch Philox (the PyTorch path's and the tests' view of the mask) equals Triton's tl.philox."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def words_kernel(out_ptr, seed_ptr, c1, c2):
+        c0 = tl.arange(0, 64).to(tl.uint32)
+        zero = c0 * 0
+        r0, r1, r2, r3 = tl.philox(tl.load(seed_ptr), c0, zero + c1, zero + c2, zero)
+        offs = tl.arange(0, 64)
+        tl.store(out_ptr + offs, r0.to(tl.int64))
+        tl.store(out_ptr + 64 + offs, r1.to(tl.int64))
+        tl.store(out_ptr + 128 + offs, r2.to(tl.int64))
+        tl.store(out_ptr + 192 + offs, r3.to(tl.int64))
+
+    seed = torch.randint(2**62, (1,), device=KERNEL_DEVICE)
+    got = torch.empty(256, dtype=torch.int64, device=KERNEL_DEVICE)
+    words_kernel[(1,)](got, seed, 123457, 5)
+    c0 = torch.arange(64, device=KERNEL_DEVICE)
+    want = in_block.philox(seed, c0, torch.full_like(c0, 123457), torch.full_like(c0, 5), torch.zeros_like(c0))
+    assert torch.equal(got, torch.cat(want))
+
+
+def test_dropout_keep_rate_and_independence():
+    """About 1 - p of the probabilities are kept, blocks and heads draw different masks."""
+    keep = dropout_keep(torch.tensor([987654321]), torch.tensor([0, 64, 128]), 4, 64, 0.3)
+    rate = keep.float().mean().item()
+    assert abs(rate - 0.7) < 0.01
+    assert not torch.equal(keep[0, 0], keep[1, 0]) and not torch.equal(keep[0, 0], keep[0, 1])
+
+
+def public_call(q, k, v, offsets, block_size, options: InBlock, **kwargs):
+    return blockattn.block_attention(q, k, v, offsets, block_size=block_size, causal=options.causal,
+                                     pos_bias=options.pos_bias, timestamps=options.timestamps,
+                                     time_bias=options.time_bias, dropout_p=options.dropout_p, **kwargs)
+
+
+def public_grads(q, k, v, do, offsets, block_size, options: InBlock, **kwargs):
+    """``[out, dq, dk, dv, dpos?, dtime?]`` of the public op under autograd."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    biases = [b.detach().clone().requires_grad_() if b is not None else None
+              for b in (options.pos_bias, options.time_bias)]
+    opts = options._replace(pos_bias=biases[0], time_bias=biases[1])
+    out = public_call(*leaves, offsets, block_size, opts, **kwargs)
+    inputs = leaves + [b for b in biases if b is not None]
+    return [out, *torch.autograd.grad(out, inputs, do)]
+
+
+def test_public_op_matches_reference_with_seeded_dropout():
+    """Through the public function: the seed comes from torch's generator, so re-seeding and asking the debug path
+    for the mask of that seed reproduces the reference exactly."""
+    q, k, v, do, offsets = random_inputs(odd_lengths(32), 4, 2, 16, torch.float32, "cpu")
+    options = make_options("all", 4, 32, q.shape[0], "cpu")
+    torch.manual_seed(77)
+    got = public_grads(q, k, v, do, offsets, 32, options)
+    torch.manual_seed(77)
+    options = options._replace(seed=torch.randint(2**62, (1,)))
+    for g, r in zip(got, reference(q, k, v, do, offsets, 32, options)):
+        torch.testing.assert_close(g.double(), r, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", KERNEL_DEVICE] if HAS_GPU else ["cpu"])
+def test_dropout_zero_is_no_dropout_and_seeds_reproduce(device):
+    q, k, v, do, offsets = random_inputs(odd_lengths(16), 2, 2, 16, torch.float32, device)
+    options = make_options("causal+pos", 2, 16, q.shape[0], device)
+    plain = public_grads(q, k, v, do, offsets, 16, options)
+    zero = public_grads(q, k, v, do, offsets, 16, options._replace(dropout_p=0.0))
+    assert all(torch.equal(a, b) for a, b in zip(plain, zero))
+    dropped = options._replace(dropout_p=0.4)
+    torch.manual_seed(5)
+    first = public_grads(q, k, v, do, offsets, 16, dropped)
+    torch.manual_seed(5)
+    again = public_grads(q, k, v, do, offsets, 16, dropped)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    other = public_grads(q, k, v, do, offsets, 16, dropped)
+    assert not torch.equal(first[0], other[0])
+
+
+def test_dropout_mean_over_seeds_approaches_no_dropout():
+    q, k, v, _, offsets = random_inputs([40, 17], 2, 2, 16, torch.float32, "cpu")
+    plain = blockattn.block_attention(q, k, v, offsets, block_size=16)
+    mean = torch.stack([blockattn.block_attention(q, k, v, offsets, block_size=16, dropout_p=0.3)
+                        for _ in range(200)]).mean(0)
+    spread = plain.abs().mean().item()
+    assert (mean - plain).abs().mean().item() < 0.1 * spread
+    assert (mean - plain).abs().mean().item() < 0.5 * (plain - blockattn.block_attention(
+        q, k, v, offsets, block_size=16, dropout_p=0.3)).abs().mean().item()
+
+
+@pytest.mark.parametrize("names", ["causal+pos+time", "all"])
+def test_backward_is_bitwise_deterministic(names):
+    lengths = [100, 37, 64] if HAS_GPU else [40, 7]
+    q, k, v, do, offsets = random_inputs(lengths, 4, 2, 32, torch.float16, KERNEL_DEVICE)
+    options = make_options(names, 4, 32, q.shape[0], KERNEL_DEVICE)
+    first = run("triton", q, k, v, do, offsets, 32, options)
+    again = run("triton", q, k, v, do, offsets, 32, options)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_qkv_block_attention_with_options():
+    """The packed projection takes the options and returns the biases' gradients."""
+    lengths, hq, hkv, d, bs = [30, 0, 17], 4, 2, 16, 16
+    n = sum(lengths)
+    offsets = make_offsets(lengths)
+    x = torch.randn(n, 24, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(24, (hq + 2 * hkv) * d, dtype=torch.float64, requires_grad=True)
+    options = make_options("causal+pos+time", hq, bs, n, "cpu", torch.float64)
+    pos, time = (b.requires_grad_() for b in (options.pos_bias, options.time_bias))
+    out = blockattn.qkv_block_attention(x, w, offsets, num_heads=hq, num_kv_heads=hkv, block_size=bs, causal=True,
+                                        pos_bias=pos, timestamps=options.timestamps, time_bias=time)
+    q, k, v = blockattn.custom_ops.split_heads(x @ w, hq, hkv)
+    ref = block_attention_reference(q, k, v, offsets, block_size=bs, causal=True, pos_bias=pos,
+                                    timestamps=options.timestamps, time_bias=time)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, w, pos, time), do)
+    want = torch.autograd.grad(ref, (x, w, pos, time), do)
+    for g, r in zip([out, *got], [ref, *want]):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-9)
+
+
+def test_gradcheck_biases_float64():
+    """torch.autograd.gradcheck of the biases (q, k, v have theirs in test_block_attention)."""
+    q, k, v, _, offsets = random_inputs([5, 0, 19], 2, 1, 16, torch.float64, "cpu")
+    pos = torch.randn(2, 31, dtype=torch.float64, requires_grad=True)
+    time = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    times = torch.randint(0, 1000, (24,))
+    assert torch.autograd.gradcheck(
+        lambda pos, time: blockattn.block_attention(q, k, v, offsets, block_size=16, causal=True, pos_bias=pos,
+                                                    timestamps=times, time_bias=time), (pos, time))
+
+
+def test_nested_with_timestamps():
+    lengths = [5, 0, 40, 17]
+    q, k, v, _, offsets = random_inputs(lengths, 2, 1, 16, torch.float32, "cpu", torch.int64)
+    times = torch.randint(0, 10**5, (sum(lengths),))
+    nested = [torch.nested.nested_tensor_from_jagged(t, offsets) for t in (q, k, v, times)]
+    time_bias = torch.randn(2, 16)
+    out = blockattn.block_attention(*nested[:3], block_size=16, causal=True, timestamps=nested[3],
+                                    time_bias=time_bias)
+    ref = block_attention_reference(q, k, v, offsets, block_size=16, causal=True, timestamps=times,
+                                    time_bias=time_bias)
+    torch.testing.assert_close(out.values().double(), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_compile_fullgraph_with_options_cpu():
+    q, k, v, _, offsets = random_inputs([9, 40], 2, 2, 16, torch.float32, "cpu")
+    options = make_options("all", 2, 16, q.shape[0], "cpu")
+    pos = options.pos_bias.requires_grad_()
+
+    def layer(q, k, v, pos):
+        return blockattn.block_attention(q, k, v, offsets, block_size=16, causal=True, pos_bias=pos,
+                                         timestamps=options.timestamps, time_bias=options.time_bias,
+                                         dropout_p=0.2).sum(-1)
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    torch.manual_seed(3)
+    # Inductor draws random numbers its own way unless told to call eager's generator: the same seed then.
+    with torch._inductor.config.patch(fallback_random=True):
+        got = torch.autograd.grad(compiled(q, k, v, pos).sum(), pos)[0]
+    torch.manual_seed(3)
+    want = torch.autograd.grad(layer(q, k, v, pos).sum(), pos)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck_and_fakes_with_options():
+    q, k, v, do, offsets = random_inputs([30, 3], 4, 2, 16, torch.float32, "cpu")
+    options = make_options("all", 4, 16, q.shape[0], "cpu")
+    table = build_block_table(offsets, q.shape[0], 16)
+    args = (True, options.pos_bias, options.timestamps, options.time_bias, 0.301, 0.25, options.seed)
+    torch.library.opcheck(torch.ops.blockattn.block_attention_bwd.default,
+                          (do, q, k, v, offsets, None, *table, 16, 0.25, 0, *args))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    options.pos_bias.requires_grad_()
+    torch.library.opcheck(torch.ops.blockattn.block_attention_fwd.default,
+                          (q, k, v, offsets, None, 16, 0.25, 0, *args))
+
+
+def test_flop_counter_counts_causal_pairs():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v, do, offsets = random_inputs([100, 3], 2, 1, 16, torch.float32, "cpu")
+    pairs = 64 * 65 // 2 + 36 * 37 // 2 + 3 * 4 // 2
+    with FlopCounterMode(display=False) as counter:
+        blockattn.block_attention(q.requires_grad_(), k, v, offsets, causal=True).backward(do)
+    counts = counter.get_flop_counts()["Global"]
+    assert counts[torch.ops.blockattn.block_attention_fwd] == 4 * pairs * 2 * 16
+    assert counts[torch.ops.blockattn.block_attention_bwd] == 10 * pairs * 2 * 16
+
+
+def test_dispatcher_sends_options_to_the_triton_kernels():
+    call = backends.AttentionCall(pass_name="bwd", device=torch.device("cuda", 0), dtype=torch.bfloat16,
+                                  num_heads=4, num_kv_heads=4, head_dim=128, block_size=64,
+                                  in_block=in_block.CAUSAL.value)
+    if backends.sm90_ops is not None:
+        assert "in-block" in backends.sm90_ops.why_not(call)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: bf16, the accuracy contract, CUDA graphs, compile.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@requires_gpu
+@pytest.mark.parametrize("names", OPTIONS)
+@pytest.mark.parametrize("block_size,head_dim,dtype", [(16, 64, torch.bfloat16), (64, 128, torch.bfloat16),
+                                                       (128, 128, torch.float16), (64, 256, torch.bfloat16),
+                                                       (32, 40, torch.float16)])
+def test_gpu_accuracy_contract(names, dtype, block_size, head_dim, poisoned_outputs):
+    lengths = torch.randint(0, 3 * block_size, (12,)).tolist() + [block_size, block_size + 1]
+    q, k, v, do, offsets = random_inputs(lengths, 4, 4, head_dim, dtype, "cuda")
+    options = make_options(names, 4, block_size, q.shape[0], "cuda")
+    assert_within_2x_pytorch(run("triton", q, k, v, do, offsets, block_size, options), q, k, v, do, offsets,
+                             block_size, options)
+
+
+@requires_gpu
+@pytest.mark.parametrize("heads", [(8, 1), (8, 2)])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_gpu_gqa_rotary_all_options(heads, rotary, poisoned_outputs):
+    q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 129], *heads, 128, torch.bfloat16, "cuda")
+    sinu_pos = random_angles(q.shape[0], 128, device="cuda") if rotary else None
+    options = make_options("all", heads[0], 64, q.shape[0], "cuda", torch.bfloat16)
+    results = run("triton", q, k, v, do, offsets, 64, options, sinu_pos, ROTATE_ALL)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, options, sinu_pos, ROTATE_ALL)
+
+
+@requires_gpu
+def test_gpu_public_op_deterministic_and_dispatch(monkeypatch):
+    """The public op on the production shape: the options go to the Triton kernels (never the Hopper backward),
+    and every gradient is bitwise reproducible."""
+    calls = []
+    triton_backend = backends.BACKENDS["triton"]
+    import dataclasses
+
+    monkeypatch.setitem(backends.BACKENDS, "triton", dataclasses.replace(
+        triton_backend, backward=lambda *args: calls.append(1) or triton_backend.backward(*args)))
+    q, k, v, do, offsets = random_inputs([1400, 900, 63], 4, 4, 128, torch.bfloat16, "cuda")
+    options = make_options("all", 4, 64, q.shape[0], "cuda")
+    torch.manual_seed(1)
+    first = public_grads(q, k, v, do, offsets, 64, options)
+    torch.manual_seed(1)
+    again = public_grads(q, k, v, do, offsets, 64, options)
+    assert calls == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@requires_gpu
+def test_gpu_cuda_graph_replay_new_mask_each_replay(monkeypatch):
+    """A captured forward + backward with dropout: each replay draws a new seed on the device (a new mask), and each
+    replay's output and bias gradient match the reference with the mask of the seed that replay drew."""
+    from blockattn import attention
+
+    drawn = []
+    draw = attention._dropout_seed
+    monkeypatch.setattr(attention, "_dropout_seed", lambda *args: drawn.append(draw(*args)) or drawn[-1])
+    q, k, v, do, offsets = random_inputs([130, 64, 7], 2, 2, 64, torch.float16, "cuda")
+    pos = torch.randn(2, 127, device="cuda", requires_grad=True)
+
+    def step():
+        pos.grad = None
+        out = blockattn.block_attention(q, k, v, offsets, block_size=64, pos_bias=pos, dropout_p=0.3)
+        out.backward(do)
+        return out
+
+    graph, out = capture_cuda_graph(step)
+    seed = drawn[-1]  # the captured draw: each replay writes its new value here
+    outs = []
+    for _ in range(3):
+        graph.replay()
+        outs.append(out.clone())
+        options = InBlock(pos_bias=pos.detach(), dropout_p=0.3, seed=seed.clone())
+        ref = reference(q, k, v, do, offsets, 64, options)
+        torch.testing.assert_close(out.double(), ref[0], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(pos.grad.double(), ref[4], atol=2e-2, rtol=2e-3)
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+
+
+@requires_gpu
+def test_gpu_compile_fullgraph_with_options():
+    q, k, v, do, offsets = random_inputs([200, 64, 5], 4, 2, 64, torch.bfloat16, "cuda")
+    options = make_options("causal+pos+time", 4, 64, q.shape[0], "cuda")
+
+    def layer(q, k, v, pos):
+        return blockattn.block_attention(q, k, v, offsets, causal=True, pos_bias=pos, timestamps=options.timestamps,
+                                         time_bias=options.time_bias)
+
+    pos = options.pos_bias.clone().requires_grad_()
+    got = torch.autograd.grad(torch.compile(layer, fullgraph=True)(q, k, v, pos), pos, do)[0]
+    want = torch.autograd.grad(layer(q, k, v, pos), pos, do)[0]
+    assert torch.equal(got, want)
