@@ -15,10 +15,10 @@ from functools import partial
 import torch
 
 from blockattn.bench.harness import copy_bandwidth_tbps, floor_bytes, make_case, time_ms
-from blockattn.ops.in_block import PLAIN
 from blockattn.bench.presets import PRESETS
 from blockattn.block_table import build_block_table
 from blockattn.ops import block_attention as triton_ops
+from blockattn.ops.in_block import PLAIN
 
 
 def tune(w, tbps: float, rep_ms: int) -> None:

@@ -20,7 +20,7 @@ import pytest
 from blockattn import backends
 from blockattn.block_table import build_block_table
 from blockattn.ops import tiles
-from blockattn.ops.in_block import PLAIN
+from blockattn.ops.in_block import PLAIN, dropout_keep
 from blockattn.ops.tiles import ROTATE_BITS
 from blockattn.reference import block_attention_reference, rotary_reference
 
@@ -110,13 +110,28 @@ def rotated_reference(leaves, sinu_pos, rotate, compute_dtype):
             for name, t in zip("qkv", leaves)]
 
 
-def reference_grads(q, k, v, do, offsets, block_size, compute_dtype=torch.float64, sinu_pos=None, rotate=0):
-    """Reference output and (dq, dk, dv), all in ``compute_dtype``; with ``sinu_pos``, of rotary then attention."""
+def reference_grads(q, k, v, do, offsets, block_size, compute_dtype=torch.float64, sinu_pos=None, rotate=0,
+                    in_block=PLAIN):
+    """Reference output and (dq, dk, dv), then the gradients of ``in_block``'s biases where it has them, all in
+    ``compute_dtype``; with ``sinu_pos``, of rotary then attention; under dropout with the kernels' mask."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    pos, time = (None if b is None else b.detach().to(compute_dtype).requires_grad_()
+                 for b in (in_block.pos_bias, in_block.time_bias))
+
+    def mask(start, length):
+        keep = dropout_keep(in_block.seed, torch.tensor([start], device=q.device), q.shape[1], block_size,
+                            in_block.dropout_p)
+        return keep[0, :, :length, :length]
+
     out = block_attention_reference(*rotated_reference(leaves, sinu_pos, rotate, compute_dtype), offsets,
-                                    block_size=block_size, compute_dtype=compute_dtype)
-    grads = torch.autograd.grad(out, leaves, do.to(compute_dtype)) if out.numel() else [t * 0 for t in leaves]
-    return [out.detach(), *grads]
+                                    block_size=block_size, causal=in_block.causal, pos_bias=pos,
+                                    timestamps=in_block.timestamps, time_bias=time,
+                                    time_bucket_width=in_block.bucket_width, dropout_p=in_block.dropout_p,
+                                    dropout_mask=mask, compute_dtype=compute_dtype)
+    inputs = leaves + [b for b in (pos, time) if b is not None]
+    grads = (torch.autograd.grad(out, inputs, do.to(compute_dtype), allow_unused=True) if out.requires_grad
+             else [None] * len(inputs))  # no tokens: the reference returns a constant
+    return [out.detach(), *(torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs))]
 
 
 def max_err(a, b) -> float:
@@ -137,12 +152,16 @@ def absolute_slack(dtype: torch.dtype) -> float:
 
 
 def assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, names=("out", "dq", "dk", "dv"),
-                             sinu_pos=None, rotate=0):
+                             sinu_pos=None, rotate=0, in_block=PLAIN):
     """Each result's max error vs float64 is at most 2x PyTorch's own in the inputs' precision, plus
-    :func:`rounding_allowance` and :func:`absolute_slack`."""
-    exact = reference_grads(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=rotate)
+    :func:`rounding_allowance` and :func:`absolute_slack`; the gradients of ``in_block``'s biases follow
+    ``names``."""
+    exact = reference_grads(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=rotate, in_block=in_block)
     same_precision = reference_grads(q, k, v, do, offsets, block_size, compute_dtype=q.dtype, sinu_pos=sinu_pos,
-                                     rotate=rotate)
+                                     rotate=rotate, in_block=in_block)
+    names = [*names, *(n for n, b in (("dpos_bias", in_block.pos_bias), ("dtime_bias", in_block.time_bias))
+                       if b is not None)]
+    assert len(results) == len(exact) or len(names) == len(results) < len(exact)
     for name, got, ref, pt in zip(names, results, exact, same_precision):
         assert got.shape == ref.shape, name
         assert torch.isfinite(got).all(), f"{name}: non-finite values (unwritten or NaN)"

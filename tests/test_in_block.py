@@ -1,7 +1,6 @@
 """The in-block options (causal mask, relative position and time biases, dropout) against the float64 reference:
 every backend through its launchers (Triton's interpreter on CPU, the real kernels on a GPU), the public ops with
-autograd, the dropout stream, validation, torch.compile, CUDA graphs."""
-
+autograd, the dropout stream, torch.compile, CUDA graphs."""
 
 import pytest
 import torch
@@ -9,16 +8,14 @@ from conftest import (
     BLOCK_SIZES,
     HAS_GPU,
     KERNEL_DEVICE,
-    absolute_slack,
+    assert_within_2x_pytorch,
     capture_cuda_graph,
     make_offsets,
-    max_err,
     odd_lengths,
     random_angles,
     random_inputs,
+    reference_grads,
     requires_gpu,
-    rotated_reference,
-    rounding_allowance,
     run_backend,
 )
 from hypothesis import HealthCheck, given, settings
@@ -55,60 +52,12 @@ def make_options(names: str, hq: int, block_size: int, n: int, device, bias_dtyp
     )
 
 
-def reference(q, k, v, do, offsets, block_size, options: InBlock, compute_dtype=torch.float64, sinu_pos=None,
-              rotate=0):
-    """Reference ``[out, dq, dk, dv, dpos_bias?, dtime_bias?]`` in ``compute_dtype`` with the kernels' dropout
-    mask."""
-    leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-    biases = [b.detach().to(compute_dtype).requires_grad_() for b in (options.pos_bias, options.time_bias)
-              if b is not None]
-    pos = biases[0] if options.pos_bias is not None else None
-    time = biases[-1] if options.time_bias is not None else None
-
-    def mask(start, length):
-        keep = dropout_keep(options.seed, torch.tensor([start], device=q.device), q.shape[1], block_size,
-                            options.dropout_p)
-        return keep[0, :, :length, :length]
-
-    out = block_attention_reference(*rotated_reference(leaves, sinu_pos, rotate, compute_dtype), offsets,
-                                    block_size=block_size, causal=options.causal, pos_bias=pos,
-                                    timestamps=options.timestamps, time_bias=time,
-                                    time_bucket_width=options.bucket_width, dropout_p=options.dropout_p,
-                                    dropout_mask=mask, compute_dtype=compute_dtype)
-    inputs = leaves + biases
-    grads = (torch.autograd.grad(out, inputs, do.to(compute_dtype), allow_unused=True) if out.requires_grad
-             else [None] * len(inputs))  # no tokens: the reference returns a constant
-    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
-    return [out.detach(), *grads]
-
-
-def run(name, q, k, v, do, offsets, block_size, options, sinu_pos=None, rotate=0):
-    """``[out, dq, dk, dv, dpos_bias?, dtime_bias?]`` of one backend's launchers."""
-    return list(run_backend(name, q, k, v, do, offsets, block_size, sinu_pos, rotate, in_block=options))
-
-
-def assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, options, sinu_pos=None, rotate=0):
-    """As conftest's: each result's max error vs float64 at most 2x PyTorch's own in the inputs' precision, plus
-    one rounding and an absolute slack (bias gradients are sums over many blocks: their slack scales with N)."""
-    exact = reference(q, k, v, do, offsets, block_size, options, sinu_pos=sinu_pos, rotate=rotate)
-    same = reference(q, k, v, do, offsets, block_size, options, q.dtype, sinu_pos=sinu_pos, rotate=rotate)
-    names = ["out", "dq", "dk", "dv"] + [n for n, b in (("dpos_bias", options.pos_bias),
-                                                        ("dtime_bias", options.time_bias)) if b is not None]
-    assert len(results) == len(exact)
-    for name, got, ref, pt in zip(names, results, exact, same):
-        assert got.shape == ref.shape, name
-        assert torch.isfinite(got).all(), f"{name}: non-finite values (unwritten or NaN)"
-        err, pt_err = max_err(got, ref), max_err(pt, ref)
-        bound = 2 * pt_err + rounding_allowance(ref, q.dtype) + absolute_slack(q.dtype)
-        assert err <= bound, f"{name}: max error {err:.3e} > 2 x PyTorch's {pt_err:.3e} + one rounding"
-
-
 @pytest.mark.parametrize("names,block_size,dtype", KERNEL_CASES)
 def test_kernels_each_option_odd_lengths_gqa(names, block_size, dtype, poisoned_outputs):
     q, k, v, do, offsets = random_inputs(odd_lengths(block_size), 4, 2, 32, dtype, KERNEL_DEVICE)
     options = make_options(names, 4, block_size, q.shape[0], KERNEL_DEVICE)
-    assert_within_2x_pytorch(run("triton", q, k, v, do, offsets, block_size, options), q, k, v, do, offsets,
-                             block_size, options)
+    results = run_backend("triton", q, k, v, do, offsets, block_size, in_block=options)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, in_block=options)
 
 
 @pytest.mark.parametrize("names", OPTIONS)
@@ -117,7 +66,8 @@ def test_torch_path_each_option(names, dtype, poisoned_outputs):
     q, k, v, do, offsets = random_inputs(odd_lengths(16), 6, 2, 24, dtype, "cpu", torch.int64)
     # float64 biases with float64 inputs: float32 ones would return float32 gradients, rounded.
     options = make_options(names, 6, 16, q.shape[0], "cpu", torch.float64 if dtype == torch.float64 else torch.float32)
-    assert_within_2x_pytorch(run("torch", q, k, v, do, offsets, 16, options), q, k, v, do, offsets, 16, options)
+    results = run_backend("torch", q, k, v, do, offsets, 16, in_block=options)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 16, in_block=options)
 
 
 @pytest.mark.parametrize("block_size,head_dim,hq,hkv", [(16, 256, 2, 2), (32, 200, 4, 1)] + (
@@ -127,8 +77,8 @@ def test_kernels_all_options_head_dims_and_slices(block_size, head_dim, hq, hkv,
     the production shape (its persistent backward takes no options: the one-block kernel does)."""
     q, k, v, do, offsets = random_inputs([block_size + 3, 5], hq, hkv, head_dim, torch.float16, KERNEL_DEVICE)
     options = make_options("all", hq, block_size, q.shape[0], KERNEL_DEVICE)
-    assert_within_2x_pytorch(run("triton", q, k, v, do, offsets, block_size, options), q, k, v, do, offsets,
-                             block_size, options)
+    results = run_backend("triton", q, k, v, do, offsets, block_size, in_block=options)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, in_block=options)
 
 
 @pytest.mark.parametrize("heads,names", [((4, 1), "all")] + ([((2, 2), "causal+pos+time")] if HAS_GPU else []))
@@ -136,8 +86,9 @@ def test_kernels_options_with_fused_rotary(heads, names, poisoned_outputs):
     q, k, v, do, offsets = random_inputs(odd_lengths(16), *heads, 32, torch.float32, KERNEL_DEVICE)
     sinu_pos = random_angles(q.shape[0], 32, device=KERNEL_DEVICE)
     options = make_options(names, heads[0], 16, q.shape[0], KERNEL_DEVICE)
-    results = run("triton", q, k, v, do, offsets, 16, options, sinu_pos, ROTATE_ALL)
-    assert_within_2x_pytorch(results, q, k, v, do, offsets, 16, options, sinu_pos, ROTATE_ALL)
+    results = run_backend("triton", q, k, v, do, offsets, 16, sinu_pos, ROTATE_ALL, in_block=options)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 16, sinu_pos=sinu_pos, rotate=ROTATE_ALL,
+                             in_block=options)
 
 
 @settings(max_examples=10 if HAS_GPU else 4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -153,8 +104,8 @@ def test_kernels_random_shapes(lengths, block_size, heads, names, bias_dtype, se
     torch.manual_seed(seed)
     q, k, v, do, offsets = random_inputs(lengths, *heads, 16, torch.float16, KERNEL_DEVICE)
     options = make_options(names, heads[0], block_size, q.shape[0], KERNEL_DEVICE, bias_dtype)
-    assert_within_2x_pytorch(run("triton", q, k, v, do, offsets, block_size, options), q, k, v, do, offsets,
-                             block_size, options)
+    results = run_backend("triton", q, k, v, do, offsets, block_size, in_block=options)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, in_block=options)
 
 
 @pytest.mark.parametrize("timestamps_dtype", [torch.int64, torch.float32])
@@ -180,8 +131,8 @@ def test_time_buckets_exact_at_the_edges(timestamps_dtype):
         device = "cpu" if name == "torch" or not HAS_GPU else "cuda"
         moved = [t.to(device) for t in (q, k, v, do, offsets)]
         opts = InBlock(timestamps=times.to(device), time_bias=time_bias.to(device))
-        out = run(name, *moved, 64, opts)[0]
-        ref = reference(q, k, v, do, offsets, 64, options)[0]
+        out = run_backend(name, *moved, 64, in_block=opts)[0]
+        ref = reference_grads(q, k, v, do, offsets, 64, in_block=options)[0]
         torch.testing.assert_close(out.double().cpu(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -243,7 +194,7 @@ def test_public_op_matches_reference_with_seeded_dropout():
     got = public_grads(q, k, v, do, offsets, 32, options)
     torch.manual_seed(77)
     options = options._replace(seed=torch.randint(2**62, (1,)))
-    for g, r in zip(got, reference(q, k, v, do, offsets, 32, options)):
+    for g, r in zip(got, reference_grads(q, k, v, do, offsets, 32, in_block=options)):
         torch.testing.assert_close(g.double(), r, atol=2e-5, rtol=1e-4)
 
 
@@ -280,8 +231,8 @@ def test_backward_is_bitwise_deterministic(names):
     lengths = [100, 37, 64] if HAS_GPU else [40, 7]
     q, k, v, do, offsets = random_inputs(lengths, 4, 2, 32, torch.float16, KERNEL_DEVICE)
     options = make_options(names, 4, 32, q.shape[0], KERNEL_DEVICE)
-    first = run("triton", q, k, v, do, offsets, 32, options)
-    again = run("triton", q, k, v, do, offsets, 32, options)
+    first = run_backend("triton", q, k, v, do, offsets, 32, in_block=options)
+    again = run_backend("triton", q, k, v, do, offsets, 32, in_block=options)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
@@ -397,8 +348,8 @@ def test_gpu_accuracy_contract(names, dtype, block_size, head_dim, poisoned_outp
     lengths = torch.randint(0, 3 * block_size, (12,)).tolist() + [block_size, block_size + 1]
     q, k, v, do, offsets = random_inputs(lengths, 4, 4, head_dim, dtype, "cuda")
     options = make_options(names, 4, block_size, q.shape[0], "cuda")
-    assert_within_2x_pytorch(run("triton", q, k, v, do, offsets, block_size, options), q, k, v, do, offsets,
-                             block_size, options)
+    results = run_backend("triton", q, k, v, do, offsets, block_size, in_block=options)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, in_block=options)
 
 
 @requires_gpu
@@ -408,8 +359,9 @@ def test_gpu_gqa_rotary_all_options(heads, rotary, poisoned_outputs):
     q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 129], *heads, 128, torch.bfloat16, "cuda")
     sinu_pos = random_angles(q.shape[0], 128, device="cuda") if rotary else None
     options = make_options("all", heads[0], 64, q.shape[0], "cuda", torch.bfloat16)
-    results = run("triton", q, k, v, do, offsets, 64, options, sinu_pos, ROTATE_ALL)
-    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, options, sinu_pos, ROTATE_ALL)
+    results = run_backend("triton", q, k, v, do, offsets, 64, sinu_pos, ROTATE_ALL, in_block=options)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=ROTATE_ALL,
+                             in_block=options)
 
 
 @requires_gpu
@@ -457,7 +409,7 @@ def test_gpu_cuda_graph_replay_new_mask_each_replay(monkeypatch):
         graph.replay()
         outs.append(out.clone())
         options = InBlock(pos_bias=pos.detach(), dropout_p=0.3, seed=seed.clone())
-        ref = reference(q, k, v, do, offsets, 64, options)
+        ref = reference_grads(q, k, v, do, offsets, 64, in_block=options)
         torch.testing.assert_close(out.double(), ref[0], atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(pos.grad.double(), ref[4], atol=2e-2, rtol=2e-3)
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])

@@ -40,6 +40,31 @@ CASES = [
     ("scale inf", lambda *a: a, {"scale": float("inf")}, ValueError, "scale must be a finite positive"),
     ("scale nan", lambda *a: a, {"scale": float("nan")}, ValueError, "scale must be a finite positive"),
     ("q not tensor", lambda q, k, v, o: (q.tolist(), k, v, o), {}, TypeError, "q must be a torch.Tensor"),
+    # The in-block options (q has 4 heads, 10 tokens; 64-token blocks by default).
+    ("causal int", lambda *a: a, {"causal": 1}, TypeError, "causal must be a bool"),
+    ("pos_bias width", lambda *a: a, {"pos_bias": torch.zeros(4, 63)}, ValueError,
+     "pos_bias must be \\[num_heads, 2 \\* block_size - 1 relative positions\\] = \\[4, 127\\]"),
+    ("pos_bias heads", lambda *a: a, {"pos_bias": torch.zeros(2, 127)}, ValueError, "pos_bias must be"),
+    ("pos_bias dtype", lambda *a: a, {"pos_bias": torch.zeros(4, 127, dtype=torch.float16)}, TypeError,
+     "pos_bias must be float32"),
+    ("pos_bias list", lambda *a: a, {"pos_bias": [0.0] * 127}, TypeError, "pos_bias must be a torch.Tensor"),
+    ("time_bias alone", lambda *a: a, {"time_bias": torch.zeros(4, 8)}, ValueError,
+     "time_bias was given without timestamps"),
+    ("timestamps alone", lambda *a: a, {"timestamps": torch.arange(10)}, ValueError,
+     "timestamps was given without time_bias"),
+    ("timestamps shape", lambda *a: a, {"timestamps": torch.arange(9), "time_bias": torch.zeros(4, 8)}, ValueError,
+     "timestamps must be 1-D \\[N\\] = \\[10\\]"),
+    ("timestamps dtype", lambda *a: a, {"timestamps": torch.arange(10).double(), "time_bias": torch.zeros(4, 8)},
+     TypeError, "timestamps must be int64, int32 or float32"),
+    ("timestamps grad", lambda *a: a, {"timestamps": torch.arange(10.0).requires_grad_(),
+                                       "time_bias": torch.zeros(4, 8)}, ValueError, "timestamps requires grad"),
+    ("time_bias shape", lambda *a: a, {"timestamps": torch.arange(10), "time_bias": torch.zeros(4, 0)}, ValueError,
+     "time_bias must be \\[num_heads, num_buckets\\]"),
+    ("bucket width", lambda *a: a, {"timestamps": torch.arange(10), "time_bias": torch.zeros(4, 8),
+                                    "time_bucket_width": 0.0}, ValueError, "time_bucket_width must be a finite float"),
+    ("dropout 1", lambda *a: a, {"dropout_p": 1.0}, ValueError, "dropout_p must be a float in \\[0, 1\\)"),
+    ("dropout negative", lambda *a: a, {"dropout_p": -0.1}, ValueError, "dropout_p must be a float in"),
+    ("dropout bool", lambda *a: a, {"dropout_p": True}, ValueError, "dropout_p must be a float in"),
 ]
 
 
@@ -162,3 +187,12 @@ def test_qkv_block_attention_checks_heads_before_the_projection():
         with RecordOps() as recorded, pytest.raises((TypeError, ValueError), match=message):
             blockattn.qkv_block_attention(x, w, offsets, num_heads=3, num_kv_heads=3)
         assert not {torch.ops.aten.mm.default, torch.ops.aten.addmm.default} & set(recorded.ops)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_in_block_tensors_on_another_device():
+    q, k, v, o = good()
+    with pytest.raises(ValueError, match="pos_bias must be on the device of q"):
+        blockattn.block_attention(q, k, v, o, pos_bias=torch.zeros(4, 127, device="cuda"))
+    with pytest.raises(ValueError, match="timestamps must be on the device of q"):
+        blockattn.block_attention(q, k, v, o, timestamps=torch.arange(10, device="cuda"), time_bias=torch.zeros(4, 8))

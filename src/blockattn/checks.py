@@ -40,7 +40,7 @@ def _describe(t: torch.Tensor) -> str:
 
 def _dtype_names(dtypes) -> str:
     names = [str(d).removeprefix("torch.") for d in dtypes]
-    return ", ".join(names[:-1]) + " or " + names[-1]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def tensor(name: str, t, optional: bool = False) -> None:

@@ -92,10 +92,6 @@ def _bias_grad_fakes(q, pos_bias, time_bias) -> tuple[torch.Tensor, torch.Tensor
     return tuple(q.new_empty(0) if b is None else torch.empty_like(b) for b in (pos_bias, time_bias))
 
 
-def _options(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed) -> InBlock:
-    return InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
-
-
 def _bias_grads_out(grads: tuple, options: tuple) -> tuple:
     """The autograd results of the option inputs (``causal, pos_bias, timestamps, time_bias, width, p, seed``)."""
     dpos, dtime = grads
@@ -111,7 +107,7 @@ def block_attention_fwd(
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``block_table.BlockTable``)."""
-    options = _options(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
     return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options)
 
 
@@ -130,7 +126,7 @@ def block_attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dpos_bias, dtime_bias)``."""
     grads = (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
-    options = _options(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
     bias_grads = _backward(grad_out, q, k, v, offsets, sinu_pos, BlockTable(block_cum, block_seq), block_size, scale,
                            rotate, options, grads)
     return *grads, *bias_grads
@@ -172,7 +168,7 @@ def qkv_block_attention_fwd(
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block attention on the heads of a packed projection, read in place through strides."""
-    options = _options(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
     return _forward(*split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_size, scale, rotate, options)
 
 
@@ -194,7 +190,7 @@ def qkv_block_attention_bwd(
     """``(dqkv, dpos_bias, dtime_bias)``, ``dqkv`` in the packed layout of ``qkv``: the kernel writes dq, dk, dv
     straight into views of one buffer."""
     dqkv = tiles.new_output(qkv)
-    options = _options(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
     bias_grads = _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
                            BlockTable(block_cum, block_seq), block_size, scale, rotate, options,
                            split_heads(dqkv, num_heads, num_kv_heads))

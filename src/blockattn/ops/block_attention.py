@@ -15,6 +15,10 @@ of the next block overlap the current one's math.
 A fused rotary (``ROTATE``, a mask of the operands to turn) switches the forward and the one-block backward to pair
 halves (``ops.rotary``): operands are rotated right after loading, gradients turned back before their one store.
 
+The in-block options (``IN_BLOCK``, a mask of ``ops.in_block``'s bits: causal mask, position and time biases,
+dropout) change the score tile between the products and the softmax (``ops.in_block.block_probs`` and
+``block_probs_and_grads``); they run in the forward and the one-block backward (the persistent backward takes none).
+
 On Hopper GPUs the dispatcher (``backends``) sends the backward of the production shape (64-token blocks, D = 128,
 no GQA, 16-bit), plain or rotary, to a Gluon kernel instead (``block_attention_sm90``). The PyTorch path is in
 ``block_attention_torch``.
@@ -586,7 +590,7 @@ def block_attention_bwd_triton(
     ``num_warps``, ``maxnreg`` and ``slices_per_program`` override the tuned choices, for tuning sweeps (the last
     must be 1 under GQA, and giving it selects the one-block-per-program kernel); they change nothing but the Triton
     launch."""
-    partials = in_block.bias_grad_partials(options, table.num_slots, q.shape[1], block_size, q.device)
+    partials = in_block.bias_grad_partials(options, table.num_slots, block_size, q)
     if table.num_slots == 0:
         return in_block.summed_bias_grads(options, partials)
     targets = grads
@@ -629,6 +633,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
                for name, stride in _strides(prefix, t).items()}
     _block_attention_bwd_kernel[(table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)](
         **tensors, sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], **common, **strides,
-        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q), NUM_KV_HEADS=hkv, GROUP=group, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
+        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q), NUM_KV_HEADS=hkv, GROUP=group,
+        NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
         INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in grads),
     )

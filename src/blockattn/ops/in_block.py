@@ -64,10 +64,6 @@ class InBlock(NamedTuple):
                 | (TIME_BIAS.value if self.time_bias is not None else 0)
                 | (DROPOUT.value if self.dropout_p > 0 else 0))
 
-    @property
-    def biased(self) -> bool:
-        return self.pos_bias is not None or self.time_bias is not None
-
     def keep_threshold(self) -> int:
         """Words below this are dropped: ``floor(p * 2**32)``."""
         return math.floor(self.dropout_p * 2**32)
@@ -106,7 +102,7 @@ def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def philox(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor) -> list[torch.Tensor]:
+def philox(seed: int | torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor) -> list[torch.Tensor]:
     """Philox 4x32-10 on int64 tensors holding uint32 values, as ``tl.philox`` (key: the seed's low and high
     words); returns the four output words."""
     mask = 0xFFFFFFFF
@@ -119,15 +115,16 @@ def philox(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: 
     return [c0, c1, c2, c3]
 
 
-def dropout_keep(seed: int, starts: torch.Tensor, num_heads: int, block_size: int, dropout_p: float) -> torch.Tensor:
+def dropout_keep(seed: int | torch.Tensor, starts: torch.Tensor, num_heads: int, block_size: int,
+                 dropout_p: float) -> torch.Tensor:
     """Which probabilities the kernels keep: bool ``[len(starts), num_heads, BS, BS]`` for blocks starting at token
-    rows ``starts`` (query ``i``, key ``j``). The PyTorch path's dropout, and the tests' view of the kernels' mask."""
+    rows ``starts`` (query ``i``, key ``j``), ``seed`` an int or the int64 ``[1]`` seed tensor. The PyTorch path's
+    dropout, and the tests' view of the kernels' mask."""
     device = starts.device
     i = torch.arange(block_size, device=device)[:, None]
     j = torch.arange(block_size, device=device)[None, :]
-    c0 = (i * (block_size // 4) + j // 4).expand(block_size, block_size)
     shape = (starts.numel(), num_heads, block_size, block_size)
-    c0 = c0.expand(shape)
+    c0 = (i * (block_size // 4) + j // 4).expand(shape)
     c1 = (starts.long() & 0xFFFFFFFF).view(-1, 1, 1, 1).expand(shape)
     c2 = torch.arange(num_heads, device=device).view(1, -1, 1, 1).expand(shape)
     words = torch.stack(philox(seed, c0, c1, c2, torch.zeros_like(c0)), dim=-1)
@@ -159,15 +156,15 @@ def kernel_args(options: InBlock, like: torch.Tensor) -> dict:
     }
 
 
-def bias_grad_partials(options: InBlock, num_slots: int, num_heads: int, block_size: int,
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block partial sums of the bias gradients that the backward kernels write (fp32, zero where a block has
-    no pair), summed over blocks in a fixed order afterwards: deterministic. 1-element stand-ins where a bias is
-    absent."""
+def bias_grad_partials(options: InBlock, num_slots: int, block_size: int,
+                       like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block partial sums of the bias gradients that the backward kernels write, ``[slots, Hq, width]`` fp32
+    (zero where a block has no pair), summed over blocks in a fixed order afterwards: deterministic. Where a bias
+    is absent ``like`` stands in (never read or written): the plain op allocates nothing."""
     def partials(bias, width):
         if bias is None:
-            return torch.zeros(1, device=device, dtype=torch.float32)
-        return torch.zeros(num_slots, num_heads, width, device=device, dtype=torch.float32)
+            return like
+        return torch.zeros(num_slots, bias.shape[0], width, device=like.device, dtype=torch.float32)
     return (partials(options.pos_bias, 2 * block_size - 1),
             partials(options.time_bias, options.time_bias.shape[1] if options.time_bias is not None else 0))
 
