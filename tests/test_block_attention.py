@@ -264,3 +264,50 @@ def test_meta_tensors_give_shapes():
     assert out.device.type == "meta" and out.shape == q.shape and q.grad.shape == q.shape
     assert k.grad.shape == k.shape and nested_out.is_nested and projected.shape == (100, 4, 64)
     assert rotated.shape == q.shape
+
+
+def test_block_layout_is_reused_and_matches_offsets():
+    """A layout built once gives bitwise the results of passing the offsets, forward and backward, through
+    block_attention, qkv_block_attention and the layer, eager and compiled; its block size is the calls'."""
+    q, k, v, do, offsets = random_inputs(odd_lengths(32) + [70], 4, 2, 16, torch.float32, "cpu")
+    layout = blockattn.block_layout(offsets, q.shape[0], block_size=32)
+    assert layout.block_size == 32 and layout.num_tokens == q.shape[0]
+
+    def grads(fn, *leaves):
+        leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, torch.randn_like(out, generator=torch.Generator()
+                                                                          .manual_seed(0)))]
+
+    attend = [lambda q, k, v: blockattn.block_attention(q, k, v, offsets, block_size=32, causal=True),
+              lambda q, k, v: blockattn.block_attention(q, k, v, layout, causal=True)]
+    for got, want in zip(grads(attend[1], q, k, v), grads(attend[0], q, k, v)):
+        assert torch.equal(got, want)
+    compiled = torch.compile(lambda q, k, v, layout: blockattn.block_attention(q, k, v, layout), fullgraph=True)
+    assert torch.equal(compiled(q, k, v, layout), blockattn.block_attention(q, k, v, offsets, block_size=32))
+
+    x, w = torch.randn(q.shape[0], 24), torch.randn(24, 8 * 16)
+    project = [lambda x, w: blockattn.qkv_block_attention(x, w, offsets, num_heads=4, num_kv_heads=2, block_size=32),
+               lambda x, w: blockattn.qkv_block_attention(x, w, layout, num_heads=4, num_kv_heads=2)]
+    for got, want in zip(grads(project[1], x, w), grads(project[0], x, w)):
+        assert torch.equal(got, want)
+
+    layer = blockattn.nn.BlockSelfAttention(24, 4, 2, head_dim=16, block_size=32)
+    assert torch.equal(layer(x, layout), layer(x, offsets))
+
+
+def test_block_layout_refuses_what_does_not_fit():
+    q, k, v, _, offsets = random_inputs([40, 7], 2, 2, 16, torch.float32, "cpu")
+    layout = blockattn.block_layout(offsets, 47, block_size=16)
+    with pytest.raises(ValueError, match="block_size=32 differs from the BlockLayout's 16"):
+        blockattn.block_attention(q, k, v, layout, block_size=32)
+    with pytest.raises(ValueError, match="built for N = 47 tokens, but the inputs have N = 40"):
+        blockattn.block_attention(q[:40], k[:40], v[:40], layout)
+    with pytest.raises(ValueError, match="block_size=64 differs"):
+        blockattn.nn.BlockSelfAttention(32, 2, block_size=64)(torch.randn(47, 32), layout)
+    with pytest.raises(ValueError, match="offsets\\[-1\\] must equal the number of tokens N=50"):
+        blockattn.block_layout(offsets, 50, block_size=16)
+    with pytest.raises(ValueError, match="num_tokens must be a non-negative int"):
+        blockattn.block_layout(offsets, -1)
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        blockattn.block_layout(offsets, 47, block_size=48)

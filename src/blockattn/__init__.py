@@ -5,10 +5,11 @@ varlen, fp8 included), as GPU kernels (Triton) with a PyTorch CPU path.
 """
 
 from . import nn
-from .attention import block_attention, qkv_block_attention
+from .attention import block_attention, block_layout, qkv_block_attention
+from .block_table import BlockLayout
 from .flash import flash_attention, flash_attention_varlen
 from .rotary import apply_rotary
 
-__all__ = ["apply_rotary", "block_attention", "flash_attention", "flash_attention_varlen", "nn",
-           "qkv_block_attention"]
+__all__ = ["BlockLayout", "apply_rotary", "block_attention", "block_layout", "flash_attention",
+           "flash_attention_varlen", "nn", "qkv_block_attention"]
 __version__ = "0.1.0"

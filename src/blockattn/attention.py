@@ -7,16 +7,37 @@ import math
 import torch
 
 from . import checks, custom_ops
+from .block_table import BlockLayout, build_block_table
 from .ops.in_block import DEFAULT_BUCKET_WIDTH
+
+
+def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = checks.DEFAULT_BLOCK_SIZE) -> BlockLayout:
+    """The block structure of one batch, to pass in place of ``offsets`` to every attention call on it.
+
+    A model with many attention layers, or a serving loop that runs one batch through several calls, builds it once
+    per batch: each call then skips building the block table (the offsets' checks and two GPU launches), as
+    FlexAttention's ``BlockMask`` is built once and reused. The values of ``offsets`` are checked here, as a call
+    checks them (a ``ValueError`` on the CPU, a device-side assertion on a GPU: no host synchronisation).
+
+    Args:
+        offsets: ``[B + 1]`` int32/int64 sequence boundaries, as for :func:`block_attention`.
+        num_tokens: ``N``, the number of packed tokens (``q.shape[0]``; a shape, so nothing is read on the host).
+        block_size: 16, 32, 64 or 128; the attention calls take the layout's (their own ``block_size`` left out).
+
+    Works under ``torch.compile`` and CUDA-graph capture like the calls themselves (a layout built outside a
+    captured region is a static input of the graph).
+    """
+    checks.layout(offsets, num_tokens, block_size)
+    return BlockLayout(offsets, num_tokens, block_size, build_block_table(offsets, num_tokens, block_size))
 
 
 def block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets: torch.Tensor | None = None,
+    offsets: torch.Tensor | BlockLayout | None = None,
     *,
-    block_size: int = 64,
+    block_size: int | None = None,
     scale: float | None = None,
     sinu_pos: torch.Tensor | None = None,
     rotate: tuple[str, ...] = ("q", "k", "v"),
@@ -40,8 +61,9 @@ def block_attention(
             is a nested tensor with the same structure).
         k, v: ``[N, Hkv, D]`` with ``Hq % Hkv == 0``: query head ``h`` uses key/value head ``h // (Hq // Hkv)``.
         offsets: ``[B + 1]`` int32/int64, ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``, on the device
-            of ``q``. Length-0 sequences are allowed.
-        block_size: 16, 32, 64 or 128.
+            of ``q``. Length-0 sequences are allowed. Or a :class:`BlockLayout` of them (:func:`block_layout`),
+            built once per batch and reused by every call on it.
+        block_size: 16, 32, 64 or 128; 64 by default, or the layout's.
         scale: score scale, ``1 / sqrt(D)`` by default.
         sinu_pos: rotary angles ``[N, D]`` (or nested ``[B, j, D]`` like ``q``) shared by all heads: columns
             ``0 : D/2`` hold ``sin``, ``D/2 : D`` hold ``cos`` of the angle of pair ``i = (2i, 2i+1)`` (interleaved
@@ -90,6 +112,7 @@ def block_attention(
         q, k, v, offsets = checks.unpack_nested(q, k, v)
     elif offsets is None:
         raise TypeError("offsets is required when q, k, v are [N, H, D] tensors")
+    offsets, block_size, table = checks.block_structure(offsets, checks.num_tokens(q), block_size)
     checks.attention(q, k, v, offsets, block_size, scale)
     sinu_pos, rotate = checks.rotary_args(sinu_pos, rotate, q, offsets)
     timestamps = checks.in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q, offsets,
@@ -97,7 +120,7 @@ def block_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out = custom_ops.block_attention_fwd(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias,
                                          timestamps, time_bias, float(time_bucket_width), float(dropout_p),
-                                         _dropout_seed(dropout_p, q.device))[0]
+                                         _dropout_seed(dropout_p, q.device), *_table_args(table))[0]
     if nested:
         return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)
@@ -107,13 +130,13 @@ def block_attention(
 def qkv_block_attention(
     x: torch.Tensor,
     w: torch.Tensor,
-    offsets: torch.Tensor,
+    offsets: torch.Tensor | BlockLayout,
     *,
     num_heads: int,
     num_kv_heads: int,
     sinu_pos: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-    block_size: int = 64,
+    block_size: int | None = None,
     scale: float | None = None,
     rotate: tuple[str, ...] = ("q", "k", "v"),
     causal: bool = False,
@@ -142,6 +165,7 @@ def qkv_block_attention(
     Returns ``[N, num_heads, D]``. Gradients flow to ``x``, ``w``, ``bias`` and the attention biases.
     """
     checks.projection(x, w, bias, num_heads, num_kv_heads)
+    offsets, block_size, table = checks.block_structure(offsets, checks.num_tokens(x), block_size)
     checks.tensor("offsets", offsets)
     # Check the attention arguments from shapes alone, before the projection runs: views of a zero-stride tensor.
     shapes = custom_ops.split_heads(x.new_empty(()).expand(x.shape[0], w.shape[1]), num_heads, num_kv_heads)
@@ -154,7 +178,12 @@ def qkv_block_attention(
     return custom_ops.qkv_block_attention_fwd(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale,
                                               rotate, causal, pos_bias, timestamps, time_bias,
                                               float(time_bucket_width), float(dropout_p),
-                                              _dropout_seed(dropout_p, x.device))[0]
+                                              _dropout_seed(dropout_p, x.device), *_table_args(table))[0]
+
+
+def _table_args(table) -> tuple:
+    """The ops' ``block_cum, block_seq``: a layout's table, or ``None, None`` (the op builds its own)."""
+    return (None, None) if table is None else tuple(table)
 
 
 def _dropout_seed(dropout_p: float, device: torch.device) -> torch.Tensor | None:

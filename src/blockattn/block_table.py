@@ -125,6 +125,17 @@ def build_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int, m
     return BlockTable(block_cum, torch.searchsorted(block_cum, slots, right=True, out_int32=True))
 
 
+class BlockLayout(NamedTuple):
+    """The block structure of one batch, built once (:func:`blockattn.block_layout`) and passed in place of
+    ``offsets`` to every attention call on that batch, as FlexAttention's ``BlockMask`` is: the calls then skip
+    building the block table (the offsets' checks and two launches each)."""
+
+    offsets: torch.Tensor
+    num_tokens: int
+    block_size: int
+    table: BlockTable
+
+
 def empty_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int) -> BlockTable:
     """A table of the right shapes and no values: what the fake (meta) implementations return."""
     num_seqs = offsets.shape[0] - 1

@@ -12,10 +12,12 @@ import math
 
 import torch
 
+from .block_table import BlockLayout, BlockTable
 from .ops.in_block import MIN_BUCKET_WIDTH
 from .ops.tiles import ROTATE_BITS
 
 BLOCK_SIZES = (16, 32, 64, 128)
+DEFAULT_BLOCK_SIZE = 64
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 # One rotary program holds whole rows of a head.
 MAX_ROTARY_DIM = 512
@@ -353,3 +355,35 @@ def in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     return timestamps
+
+
+def num_tokens(x) -> int | None:
+    """``N`` of the inputs ``x [N, ...]``, or ``None`` for what is no such tensor (its own check says why)."""
+    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None
+
+
+def block_structure(value, tokens: int | None, block_size_) -> tuple[torch.Tensor, int, BlockTable | None]:
+    """``offsets`` as passed to an attention function, a tensor or a :class:`BlockLayout` (then ``block_size``
+    must be left out or match it, and it must be built for the ``tokens`` of the inputs): ``(offsets, block_size,
+    table)``, the table ``None`` where the call builds its own. ``block_size`` ``None`` means the layout's or the
+    default."""
+    if not isinstance(value, BlockLayout):
+        return value, DEFAULT_BLOCK_SIZE if block_size_ is None else block_size_, None
+    if tokens is not None and value.num_tokens != tokens:
+        raise ValueError(f"offsets is a BlockLayout built for N = {value.num_tokens} tokens, but the inputs have N = "
+                         f"{tokens}")
+    if block_size_ is not None and block_size_ != value.block_size:
+        raise ValueError(f"block_size={block_size_!r} differs from the BlockLayout's {value.block_size}: leave "
+                         "block_size out when passing a layout")
+    return value.offsets, value.block_size, value.table
+
+
+def layout(offsets_, num_tokens, block) -> None:
+    """The arguments of :func:`blockattn.block_layout`."""
+    offsets(offsets_)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be a non-negative int (the N of the inputs), got {num_tokens!r}")
+    if offsets_.numel() == 1 and num_tokens != 0:
+        raise ValueError(f"offsets describes no sequence (B = 0) but num_tokens is {num_tokens}; expected "
+                         "offsets[-1] == num_tokens")
+    block_size(block)

@@ -70,12 +70,31 @@ def _rotate_mask(sinu_pos, rotate: int) -> int:
     return rotate if sinu_pos is not None else ROTATE_NONE
 
 
-def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InBlock):
-    """``(out, *table)``: the block table, then the forward by the backend the dispatcher picks."""
+def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InBlock, block_cum, block_seq):
+    """``(out, *table)``: the block table (built here unless a layout's is given: then two 0-element tensors stand
+    for it, since an op's output may not be its input), then the forward by the backend the dispatcher picks."""
     rotate = _rotate_mask(sinu_pos, rotate)
     backend = backends.select(AttentionCall.of("fwd", q, k, block_size, rotate, options.bits))
-    table = build_block_table(offsets, q.shape[0], block_size)
-    return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options), *table
+    if block_cum is None:
+        table = build_block_table(offsets, q.shape[0], block_size)
+        returned = table
+    else:
+        table = BlockTable(block_cum, block_seq)
+        returned = _no_table(offsets)
+    return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options), *returned
+
+
+def _no_table(offsets: torch.Tensor) -> BlockTable:
+    return BlockTable(offsets.new_empty(0, dtype=torch.int32), offsets.new_empty(0, dtype=torch.int32))
+
+
+def _fwd_table_fakes(offsets, num_tokens, block_size, block_cum) -> BlockTable:
+    return empty_block_table(offsets, num_tokens, block_size) if block_cum is None else _no_table(offsets)
+
+
+def _saved_table(inputs_table: tuple, output_table: tuple) -> tuple:
+    """The table the backward reads: the layout's (inputs) where one was given, else the one the forward built."""
+    return inputs_table if inputs_table[0] is not None else output_table
 
 
 def _backward(grad_out, q, k, v, offsets, sinu_pos, table, block_size, scale, rotate, options: InBlock, grads):
@@ -105,15 +124,19 @@ def block_attention_fwd(
     block_size: int, scale: float, rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None,
     timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
+    block_cum: torch.Tensor | None = None, block_seq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``block_table.BlockTable``)."""
+    """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``block_table.BlockTable``) it
+    built, or 0-element tensors where a layout's table was passed in (``block_cum``, ``block_seq``)."""
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
-    return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options)
+    return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options, block_cum, block_seq)
 
 
 @block_attention_fwd.register_fake
-def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, *options):
-    return torch.empty_like(q), *empty_block_table(offsets, q.shape[0], block_size)
+def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_bias=None, timestamps=None,
+      time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None, block_cum=None,
+      block_seq=None):
+    return torch.empty_like(q), *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum)
 
 
 @torch.library.custom_op("blockattn::block_attention_bwd", mutates_args=())
@@ -139,10 +162,10 @@ def _(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, sc
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias, width, p, seed \
-        = inputs
-    _, block_cum, block_seq = output
-    ctx.mark_non_differentiable(block_cum, block_seq)
+    (q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias, width, p, seed,
+     *layout_table) = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    block_cum, block_seq = _saved_table(layout_table, output[1:])
     ctx.save_for_backward(q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed)
     ctx.block_size, ctx.scale, ctx.rotate = block_size, scale, rotate
     ctx.flags = (causal, width, p)
@@ -154,7 +177,7 @@ def _attention_backward(ctx, grad_out, _grad_block_cum, _grad_block_seq):
     options = (causal, pos_bias, timestamps, time_bias, width, p, seed)
     dq, dk, dv, *bias_grads = block_attention_bwd(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq,
                                                   ctx.block_size, ctx.scale, ctx.rotate, *options)
-    return dq, dk, dv, None, None, None, None, None, *_bias_grads_out(bias_grads, options)
+    return dq, dk, dv, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None
 
 
 block_attention_fwd.register_autograd(_attention_backward, setup_context=_setup_context)
@@ -166,17 +189,21 @@ def qkv_block_attention_fwd(
     block_size: int, scale: float, rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None,
     timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
+    block_cum: torch.Tensor | None = None, block_seq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block attention on the heads of a packed projection, read in place through strides."""
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
-    return _forward(*split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_size, scale, rotate, options)
+    return _forward(*split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_size, scale, rotate, options,
+                    block_cum, block_seq)
 
 
 @qkv_block_attention_fwd.register_fake
-def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, *options):
+def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal=False, pos_bias=None,
+      timestamps=None, time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None,
+      block_cum=None, block_seq=None):
     n = qkv.shape[0]
     head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
-    return qkv.new_empty(n, num_heads, head_dim), *empty_block_table(offsets, n, block_size)
+    return qkv.new_empty(n, num_heads, head_dim), *_fwd_table_fakes(offsets, n, block_size, block_cum)
 
 
 @torch.library.custom_op("blockattn::qkv_block_attention_bwd", mutates_args=())
@@ -205,9 +232,9 @@ def _(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_
 
 def _qkv_setup_context(ctx, inputs, output):
     (qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal, pos_bias, timestamps,
-     time_bias, width, p, seed) = inputs
-    _, block_cum, block_seq = output
-    ctx.mark_non_differentiable(block_cum, block_seq)
+     time_bias, width, p, seed, *layout_table) = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    block_cum, block_seq = _saved_table(layout_table, output[1:])
     ctx.save_for_backward(qkv, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed)
     ctx.shape_options = (num_heads, num_kv_heads, block_size, scale, rotate)
     ctx.flags = (causal, width, p)
@@ -219,7 +246,7 @@ def _qkv_backward(ctx, grad_out, _grad_block_cum, _grad_block_seq):
     options = (causal, pos_bias, timestamps, time_bias, width, p, seed)
     dqkv, *bias_grads = qkv_block_attention_bwd(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq,
                                                 *ctx.shape_options, *options)
-    return dqkv, None, None, None, None, None, None, None, *_bias_grads_out(bias_grads, options)
+    return dqkv, None, None, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None
 
 
 qkv_block_attention_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup_context)

@@ -10,6 +10,7 @@ from torch import nn
 
 from . import checks
 from .attention import qkv_block_attention
+from .block_table import BlockLayout
 
 
 def sequence_ids(offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -127,12 +128,14 @@ class BlockSelfAttention(nn.Module):
                 f"head_dim={self.head_dim}, block_size={self.block_size}, {rotary}, causal={self.causal}, "
                 f"dropout={self.dropout}")
 
-    def attend(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The attention heads before the output projection: ``[N, Hq, D]`` of ``x [N, d_model]``."""
+    def attend(self, x: torch.Tensor, offsets: torch.Tensor | BlockLayout) -> torch.Tensor:
+        """The attention heads before the output projection: ``[N, Hq, D]`` of ``x [N, d_model]``; ``offsets`` may
+        be a :class:`blockattn.BlockLayout` of this layer's ``block_size``."""
         checks.float_tensor("x", x, 2, "[N, d_model]")
         if x.shape[1] != self.d_model:
             raise ValueError(f"x must be [N, d_model={self.d_model}], got {tuple(x.shape)}")
-        checks.offsets(offsets, x, "x")  # before the angles are computed from it
+        boundaries = checks.block_structure(offsets, x.shape[0], self.block_size)[0]
+        checks.offsets(boundaries, x, "x")  # before the angles are computed from it
         w, bias = self.qkv.weight, self.qkv.bias
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
@@ -143,15 +146,16 @@ class BlockSelfAttention(nn.Module):
                             f"got {x.dtype}")
         sinu_pos = None
         if self.rotary:
-            sinu_pos = rotary_sinu_pos(offsets, x.shape[0], self.head_dim, self.rotary_base)
+            sinu_pos = rotary_sinu_pos(boundaries, x.shape[0], self.head_dim, self.rotary_base)
         return qkv_block_attention(x, w.t(), offsets, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                    sinu_pos=sinu_pos, bias=bias, block_size=self.block_size,
                                    rotate=self.rotate, causal=self.causal,
                                    dropout_p=self.dropout if self.training else 0.0)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [N, d_model]`` with ``offsets [B + 1]``, or a jagged nested ``x [B, j, d_model]``; returns the same
-        kind, ``d_model`` wide."""
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor | BlockLayout | None = None) -> torch.Tensor:
+        """``x [N, d_model]`` with ``offsets [B + 1]`` (or their :func:`blockattn.block_layout`, built once per
+        batch and shared by every layer), or a jagged nested ``x [B, j, d_model]``; returns the same kind,
+        ``d_model`` wide."""
         if isinstance(x, torch.Tensor) and x.is_nested:
             if offsets is not None:
                 raise ValueError("offsets must be None when x is a nested tensor (its own offsets are used)")
