@@ -286,6 +286,14 @@ def test_block_layout_is_reused_and_matches_offsets():
     compiled = torch.compile(lambda q, k, v, layout: blockattn.block_attention(q, k, v, layout), fullgraph=True)
     assert torch.equal(compiled(q, k, v, layout), blockattn.block_attention(q, k, v, offsets, block_size=32))
 
+    def two_layers(q, k, v, offsets):  # the layout built inside the compiled model, with dynamic shapes
+        layout = blockattn.block_layout(offsets, q.shape[0], block_size=32)
+        return blockattn.block_attention(blockattn.block_attention(q, k, v, layout), k, v, layout)
+
+    inner = torch.compile(two_layers, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(inner(q, k, v, offsets), two_layers(q, k, v, offsets), atol=1e-6, rtol=1e-5)
+    torch.library.opcheck(torch.ops.blockattn.block_table.default, (offsets, q.shape[0], 32))
+
     x, w = torch.randn(q.shape[0], 24), torch.randn(24, 8 * 16)
     project = [lambda x, w: blockattn.qkv_block_attention(x, w, offsets, num_heads=4, num_kv_heads=2, block_size=32),
                lambda x, w: blockattn.qkv_block_attention(x, w, layout, num_heads=4, num_kv_heads=2)]

@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import checks, custom_ops
-from .block_table import BlockLayout, build_block_table
+from .block_table import BlockLayout, BlockTable
 from .ops.in_block import DEFAULT_BUCKET_WIDTH
 
 
@@ -24,11 +24,12 @@ def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = check
         num_tokens: ``N``, the number of packed tokens (``q.shape[0]``; a shape, so nothing is read on the host).
         block_size: 16, 32, 64 or 128; the attention calls take the layout's (their own ``block_size`` left out).
 
-    Works under ``torch.compile`` and CUDA-graph capture like the calls themselves (a layout built outside a
-    captured region is a static input of the graph).
+    Works under ``torch.compile`` (built inside the compiled model or passed into it; one opaque op, dynamic shapes
+    included) and CUDA-graph capture like the calls themselves.
     """
     checks.layout(offsets, num_tokens, block_size)
-    return BlockLayout(offsets, num_tokens, block_size, build_block_table(offsets, num_tokens, block_size))
+    return BlockLayout(offsets, num_tokens, block_size, BlockTable(*custom_ops.block_table(offsets, num_tokens,
+                                                                                           block_size)))
 
 
 def block_attention(

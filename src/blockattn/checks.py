@@ -381,7 +381,7 @@ def block_structure(value, tokens: int | None, block_size_) -> tuple[torch.Tenso
 def layout(offsets_, num_tokens, block) -> None:
     """The arguments of :func:`blockattn.block_layout`."""
     offsets(offsets_)
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.SymInt)) or num_tokens < 0:
         raise ValueError(f"num_tokens must be a non-negative int (the N of the inputs), got {num_tokens!r}")
     if offsets_.numel() == 1 and num_tokens != 0:
         raise ValueError(f"offsets describes no sequence (B = 0) but num_tokens is {num_tokens}; expected "

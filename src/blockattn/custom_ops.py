@@ -118,6 +118,18 @@ def _bias_grads_out(grads: tuple, options: tuple) -> tuple:
             None, None)
 
 
+@torch.library.custom_op("blockattn::block_table", mutates_args=())
+def block_table(offsets: torch.Tensor, num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block_cum, block_seq)`` of ``offsets``, checked (``block_table.build_block_table``): what
+    ``blockattn.block_layout`` keeps, as one opaque op so that it can be built inside a compiled model too."""
+    return tuple(build_block_table(offsets, num_tokens, block_size))
+
+
+@block_table.register_fake
+def _(offsets, num_tokens, block_size):
+    return tuple(empty_block_table(offsets, num_tokens, block_size))
+
+
 @torch.library.custom_op("blockattn::block_attention_fwd", mutates_args=())
 def block_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None,
