@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from blockattn import BlockLayout, block_layout
 from blockattn.nn import BlockSelfAttention, positions_in_sequence, sequence_ids
 
 # The `ads` preset of the bench (blockattn.bench.presets.PRESETS["ads"]): 1152 sequences of [800, 2000) tokens.
@@ -211,8 +212,8 @@ class Layer(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(),
                                  nn.Linear(mlp_ratio * d_model, d_model))
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), offsets)
+    def forward(self, x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), layout)
         return x + self.mlp(self.norm2(x))
 
 
@@ -223,6 +224,7 @@ class RankingModel(nn.Module):
                  num_kv_heads: int | None = None, head_dim: int | None = None, num_layers: int = 2,
                  block_size: int = 64, mlp_ratio: int = 2):
         super().__init__()
+        self.block_size = block_size
         # The catalogue: each item's category, a side feature looked up with the item (item i is of category i % C).
         self.register_buffer("item_category", torch.arange(num_items) % num_categories)
         self.item = nn.Embedding(num_items, d_model)
@@ -243,8 +245,9 @@ class RankingModel(nn.Module):
     def forward(self, item_ids: torch.Tensor, action_ids: torch.Tensor, offsets: torch.Tensor,
                 target_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(item_ids) + self.action(action_ids)
+        layout = block_layout(offsets, x.shape[0], self.block_size)  # once per batch, read by every layer
         for layer in self.layers:
-            x = layer(x, offsets)
+            x = layer(x, layout)
         user = segment_mean(self.norm(x), offsets)
         target = self.target_norm(self.embed(target_ids)).to(user.dtype)
         logits = self.head(torch.cat([user, target, user * target], dim=1))
