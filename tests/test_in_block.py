@@ -27,7 +27,7 @@ from blockattn.block_table import build_block_table
 from blockattn.ops import in_block
 from blockattn.ops.in_block import InBlock, dropout_keep
 from blockattn.ops.tiles import ROTATE_ALL
-from blockattn.reference import block_attention_reference
+from blockattn.reference import block_attention_reference, snr_db
 
 OPTIONS = ["causal", "pos", "time", "dropout", "causal+pos+time", "all"]
 # Triton's interpreter (no GPU) is slow: there the kernels get each option at one block size and dtype, and all
@@ -428,3 +428,61 @@ def test_gpu_compile_fullgraph_with_options():
     got = torch.autograd.grad(torch.compile(layer, fullgraph=True)(q, k, v, pos), pos, do)[0]
     want = torch.autograd.grad(layer(q, k, v, pos), pos, do)[0]
     assert torch.equal(got, want)
+
+
+@requires_gpu
+def test_gpu_qkv_block_attention_with_options():
+    """The packed projection with every option but dropout on the GPU (the kernels read q, k, v through strides):
+    its output and the gradients of x, w and both biases against autograd through the float64 reference."""
+    lengths, hq, hkv, d = [300, 64, 7, 129], 4, 2, 64
+    n = sum(lengths)
+    offsets = make_offsets(lengths, "cuda")
+    x = torch.randn(n, 96, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(96, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16) * 96**-0.5
+    options = make_options("causal+pos+time", hq, 64, n, "cuda")
+    leaves = [t.clone().requires_grad_() for t in (x, w, options.pos_bias, options.time_bias)]
+    out = blockattn.qkv_block_attention(leaves[0], leaves[1], offsets, num_heads=hq, num_kv_heads=hkv, causal=True,
+                                        pos_bias=leaves[2], timestamps=options.timestamps, time_bias=leaves[3])
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    q, k, v = blockattn.custom_ops.split_heads(exact[0] @ exact[1], hq, hkv)
+    ref = block_attention_reference(q, k, v, offsets, causal=True, pos_bias=exact[2], timestamps=options.timestamps,
+                                    time_bias=exact[3])
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, do)
+    want = torch.autograd.grad(ref, exact, do.double())
+    assert snr_db(out, ref) > 40
+    for g, r in zip(got, want):
+        assert snr_db(g, r) > 40
+
+
+@requires_gpu
+def test_gpu_block_layout_compiles_and_captures():
+    """A BlockLayout on the GPU: the same bits as offsets, inside torch.compile, and in a CUDA graph whose replays
+    follow new offsets written into the layout's buffers by a fresh layout of the same shapes."""
+    lengths = [300, 0, 64, 129, 7]
+    q, k, v, do, offsets = random_inputs(lengths, 4, 2, 64, torch.bfloat16, "cuda")
+    layout = blockattn.block_layout(offsets, q.shape[0])
+    assert torch.equal(blockattn.block_attention(q, k, v, layout, causal=True),
+                       blockattn.block_attention(q, k, v, offsets, causal=True))
+    compiled = torch.compile(lambda q, k, v, offsets: blockattn.block_attention(
+        q, k, v, blockattn.block_layout(offsets, q.shape[0])), fullgraph=True)
+    assert torch.equal(compiled(q, k, v, offsets), blockattn.block_attention(q, k, v, offsets))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = blockattn.block_attention(*leaves, layout)
+        out.backward(do)
+        return out
+
+    graph, static_out = capture_cuda_graph(step)
+    for new_lengths in ([100, 100, 100, 100, 100], [500, 0, 0, 0, 0]):
+        new = blockattn.block_layout(make_offsets(new_lengths, "cuda"), q.shape[0])
+        layout.offsets.copy_(new.offsets)
+        for mine, theirs in zip(layout.table, new.table):
+            mine.copy_(theirs)
+        graph.replay()
+        exact = reference_grads(q, k, v, do, layout.offsets, 64)
+        for got, ref in zip([static_out, *(t.grad for t in leaves)], exact):
+            assert snr_db(got, ref) > 40
