@@ -60,9 +60,12 @@ class _Inputs:
             kwargs["dropout_p"] = DROPOUT_P
         return kwargs
 
-    def leaves(self, kwargs: dict) -> list[torch.Tensor]:
-        """What the backward differentiates: q, k, v and the biases in ``kwargs``."""
-        return [*self.case.inputs] + [kwargs[b] for b in ("pos_bias", "time_bias") if b in kwargs]
+    def leaves(self, kwargs: dict) -> tuple[list[torch.Tensor], dict]:
+        """Fresh leaves of one implementation: ``[q, k, v, *biases]`` requiring grad (what the backward
+        differentiates) and ``kwargs`` with its biases replaced by theirs."""
+        qkv = [t.detach().requires_grad_() for t in self.case.inputs]
+        own = {k: v.detach().requires_grad_() if k in ("pos_bias", "time_bias") else v for k, v in kwargs.items()}
+        return qkv + [own[b] for b in ("pos_bias", "time_bias") if b in own], own
 
     def padded(self, t: torch.Tensor) -> torch.Tensor:
         """``[N, H, D]`` -> ``[blocks, H, BS, D]``, rows past a block's end read its last row (masked out)."""
@@ -75,23 +78,25 @@ class _Inputs:
 
 def _blockattn(inputs: _Inputs, kwargs: dict) -> dict:
     case = inputs.case
-    leaves = [t.detach().requires_grad_() for t in case.inputs]
+    leaves, own = inputs.leaves(kwargs)
 
     def forward():
-        return blockattn.block_attention(*leaves, case.offsets, block_size=case.block_size, scale=case.scale,
-                                         **kwargs)
+        return blockattn.block_attention(*leaves[:3], case.offsets, block_size=case.block_size, scale=case.scale,
+                                         **own)
 
-    seed = torch.randint(2**62, (1,), device=inputs.device) if "dropout_p" in kwargs else None
-    options = {**kwargs, "dropout_seed": seed}
-    if "timestamps" in options:
-        options["time_bucket_width"] = DEFAULT_BUCKET_WIDTH
+    seed = torch.randint(2**62, (1,), device=inputs.device) if "dropout_p" in own else None
 
     def backward():  # the op alone, as autograd calls it
         return torch.ops.blockattn.block_attention_bwd(
             grad_out=case.do, q=case.q, k=case.k, v=case.v, offsets=case.offsets, sinu_pos=None,
-            **case.table._asdict(), block_size=case.block_size, scale=case.scale, rotate=0, **options)
+            **case.table._asdict(), block_size=case.block_size, scale=case.scale, rotate=0, **own, dropout_seed=seed)
 
-    return {"fwd": forward, "bwd": backward, "leaves": leaves + inputs.leaves(kwargs)[3:], "out": forward}
+    return {"fwd": forward, "bwd": backward, "leaves": leaves, "out": forward}
+
+
+def _log_buckets(dt: torch.Tensor) -> torch.Tensor:
+    """The time buckets of differences ``dt`` as a user writes them in PyTorch (the baselines' formula)."""
+    return (dt.abs().float().clamp(min=1.0).log() / DEFAULT_BUCKET_WIDTH).floor().long().clamp(max=NUM_BUCKETS - 1)
 
 
 def _bias_tiles(inputs: _Inputs, kwargs: dict, block_size: int) -> torch.Tensor | None:
@@ -106,8 +111,7 @@ def _bias_tiles(inputs: _Inputs, kwargs: dict, block_size: int) -> torch.Tensor 
         bias = bias + kwargs["pos_bias"][:, offs[None, :] - offs[:, None] + block_size - 1]
     if "time_bias" in kwargs:
         times = kwargs["timestamps"][inputs.rows]
-        dt = (times[:, None, :] - times[:, :, None]).abs().float().clamp(min=1.0)
-        buckets = (dt.log() / DEFAULT_BUCKET_WIDTH).floor().long().clamp(max=NUM_BUCKETS - 1)
+        buckets = _log_buckets(times[:, None, :] - times[:, :, None])
         bias = bias + kwargs["time_bias"][:, buckets].transpose(0, 1)
     return bias
 
@@ -116,19 +120,16 @@ def _sdpa(inputs: _Inputs, kwargs: dict) -> dict:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     case = inputs.case
-    leaves = [t.detach().requires_grad_() for t in case.inputs]
-    biases = {k: v.detach().requires_grad_() if k in ("pos_bias", "time_bias") else v for k, v in kwargs.items()}
-    group = case.q.shape[1] // case.k.shape[1]
+    leaves, biases = inputs.leaves(kwargs)
 
     def forward():
-        q, k, v = (inputs.padded(t) for t in leaves)
+        q, k, v = (inputs.padded(t) for t in leaves[:3])
         mask = _bias_tiles(inputs, biases, case.block_size).to(q.dtype)
         out = sdpa(q, k, v, attn_mask=mask, dropout_p=biases.get("dropout_p", 0.0), scale=case.scale,
-                   enable_gqa=group > 1)
+                   enable_gqa=case.gqa)
         return inputs.unpadded(out)
 
-    return {"fwd": forward, "leaves": leaves + [biases[b] for b in ("pos_bias", "time_bias") if b in biases],
-            "out": forward}
+    return {"fwd": forward, "leaves": leaves, "out": forward}
 
 
 def _flex(inputs: _Inputs, kwargs: dict) -> dict:
@@ -138,8 +139,7 @@ def _flex(inputs: _Inputs, kwargs: dict) -> dict:
 
     case = inputs.case
     bs = case.block_size
-    leaves = [t.detach().requires_grad_() for t in case.inputs]
-    biases = {k: v.detach().requires_grad_() if k in ("pos_bias", "time_bias") else v for k, v in kwargs.items()}
+    leaves, biases = inputs.leaves(kwargs)
     lengths, causal = inputs.lengths, kwargs.get("causal", False)
     times = kwargs["timestamps"][inputs.rows] if "timestamps" in kwargs else None
 
@@ -151,23 +151,19 @@ def _flex(inputs: _Inputs, kwargs: dict) -> dict:
         if "pos_bias" in biases:
             score = score + biases["pos_bias"][h, kv_idx - q_idx + bs - 1]
         if times is not None:
-            dt = (times[b, kv_idx] - times[b, q_idx]).abs().float().clamp(min=1.0)
-            bucket = (dt.log() / DEFAULT_BUCKET_WIDTH).floor().long().clamp(max=NUM_BUCKETS - 1)
-            score = score + biases["time_bias"][h, bucket]
+            score = score + biases["time_bias"][h, _log_buckets(times[b, kv_idx] - times[b, q_idx])]
         return score
 
     block_mask = create_block_mask(mask_mod, lengths.numel(), None, bs, bs, device=inputs.device, BLOCK_SIZE=bs)
     # Compiled, as FlexAttention is meant to run (eager is a slow reference); eager off the GPU, for the tests.
     attend = torch.compile(flex_attention, fullgraph=True) if inputs.device == "cuda" else flex_attention
-    group = case.q.shape[1] // case.k.shape[1]
 
     def forward():
-        q, k, v = (inputs.padded(t) for t in leaves)
-        out = attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.scale, enable_gqa=group > 1)
+        q, k, v = (inputs.padded(t) for t in leaves[:3])
+        out = attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.scale, enable_gqa=case.gqa)
         return inputs.unpadded(out)
 
-    return {"fwd": forward, "leaves": leaves + [biases[b] for b in ("pos_bias", "time_bias") if b in biases],
-            "out": forward}
+    return {"fwd": forward, "leaves": leaves, "out": forward}
 
 
 IMPLEMENTATIONS = {OURS: _blockattn, "FlexAttention (padded blocks)": _flex, "SDPA + bias (padded blocks)": _sdpa}
