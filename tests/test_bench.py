@@ -14,7 +14,7 @@ import torch
 from conftest import HAS_GPU, make_offsets, random_angles, requires_gpu
 
 from blockattn.__main__ import build_parser, main, make_console, print_report, workloads_from_args
-from blockattn.bench import harness
+from blockattn.bench import harness, latency
 from blockattn.bench import options as options_bench
 from blockattn.bench.baselines import (
     BASELINES,
@@ -80,6 +80,9 @@ def test_cli_custom_workload():
     (["--seqs", "10", "--max-len", "100", "--head-dim", "64"], "also needs --heads"),
     (["--sparsity", "0.5"], "a custom workload (--sparsity) also needs --seqs, --max-len, --heads, --head-dim"),
     (["--dense", "--options"], "--dense times its own shapes; it takes no --options"),
+    (["--latency", "--preset", "ads"], "--latency times its own shapes; it takes no --preset"),
+    (["--latency", "--options"], "--latency times its own shapes; it takes no --options"),
+    (["--dense", "--latency"], "--dense times its own shapes; it takes no --latency"),
     (["--options", "--rotary"], "--options times its own baselines on the plain op; it takes no --rotary"),
     (["--options", "--preset", "ads", "short"], "--options times one workload, got 2"),
 ])
@@ -491,6 +494,13 @@ def test_bench_without_gpu_says_so(capsys, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.skipif(HAS_GPU, reason="checks the machine-without-GPU path")
+def test_latency_bench_without_gpu_says_so(capsys, tmp_path):
+    assert main(["bench", "--latency", "--out", str(tmp_path / "out")]) == 0
+    assert "No CUDA GPU here" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
 def test_baselines_say_why_not_here():
     assert set(NEEDS) == set(BASELINES)
     for name in BASELINES:
@@ -601,3 +611,22 @@ def test_small_gpu_options_run(tmp_path):
     assert all(r["ms"] > 0 and r["x_floor"] > 0 for r in data["results"])
     flex = [s for s in data["skipped"] if s["impl"].startswith("FlexAttention")]
     assert [s["option"] for s in flex] == ["dropout"], flex
+
+
+@requires_gpu
+def test_small_gpu_latency_run(tmp_path):
+    """Every batch, mode and pass is timed for both implementations, and ``x_fa2`` divides by FA2's figure of the
+    same batch, pass and mode (eager against eager)."""
+    report = latency.run(seed=1, batches=((1, 100), (3, 130)), calls_per_repeat=5)
+    rows = report["results"]
+    keys = {(r["batch"], r["impl"], r["mode"], r["pass"]) for r in rows}
+    ours = set(itertools.product(("1 x 100", "3 x 130"), [latency.OURS], latency.MODES, latency.PASSES))
+    fa2 = set(itertools.product(("1 x 100", "3 x 130"), [latency.FA2], ("eager", "graph"), latency.PASSES))
+    assert keys == ours | fa2
+    by_key = {(r["batch"], r["impl"], r["mode"], r["pass"]): r for r in rows}
+    for r in rows:
+        assert r["us"] > 0
+        fa2_mode = "graph" if r["mode"] == "graph" else "eager"
+        assert r["x_fa2"] == pytest.approx(r["us"] / by_key[(r["batch"], latency.FA2, fa2_mode, r["pass"])]["us"])
+    assert json.loads(latency.write_file(report, tmp_path).read_text())["results"] == rows
+

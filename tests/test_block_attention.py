@@ -198,6 +198,51 @@ def test_compile_fullgraph_cpu():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["qkv", "packed"])
+def test_eager_route_and_custom_op_give_the_same_results(packed, monkeypatch):
+    """The eager route (the ops' implementations under a ``torch.autograd.Function``) and the custom ops' own
+    autograd compute bitwise the same outputs and gradients, biases' included."""
+    from blockattn import custom_ops
+
+    q, k, v, do, offsets = random_inputs(odd_lengths(16), 4, 2, 16, torch.float32, "cpu")
+    pos_bias = torch.randn(4, 31)
+    x, w = torch.randn(q.shape[0], 24), torch.randn(24, 8 * 16)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in ((x, w, pos_bias) if packed else (q, k, v, pos_bias))]
+        if packed:
+            out = blockattn.qkv_block_attention(*leaves[:2], offsets, num_heads=4, num_kv_heads=2, block_size=16,
+                                                causal=True, pos_bias=leaves[2])
+        else:
+            out = blockattn.block_attention(*leaves[:3], offsets, block_size=16, causal=True, pos_bias=leaves[3])
+        return [out, *torch.autograd.grad(out, leaves, do)]
+
+    assert custom_ops.eager_route(q)
+    eager = run()
+    monkeypatch.setattr(custom_ops, "eager_route", lambda *tensors: False)
+    for got, want in zip(run(), eager):
+        assert torch.equal(got, want)
+
+
+def test_eager_route_leaves_modes_subclasses_and_meta_to_the_ops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from blockattn import custom_ops
+
+    q = torch.randn(4, 2, 16)
+    assert custom_ops.eager_route(q, torch.nn.Parameter(q))
+    with FlopCounterMode(display=False):
+        assert not custom_ops.eager_route(q)
+    with FakeTensorMode() as mode:
+        assert not custom_ops.eager_route(mode.from_tensor(q))
+    assert not custom_ops.eager_route(q.to("meta"))
+    assert not custom_ops.eager_route(q, torch.nested.nested_tensor([q[0], q[1]], layout=torch.jagged))
+    seen = []
+    torch.func.grad(lambda t: seen.append(custom_ops.eager_route(t)) or t.sum())(q)
+    assert seen == [False]
+
+
 def test_flop_counter_counts_in_block_work():
     from torch.utils.flop_counter import FlopCounterMode
 

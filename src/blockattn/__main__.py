@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="time the in-block options instead (causal, position and time biases, dropout, each alone "
                             "and causal + both biases) on one workload (default: ads) against the plain op, "
                             "FlexAttention and padded SDPA with a bias; writes options.json")
+    bench.add_argument("--latency", action="store_true",
+                       help="time host wall time per call instead, on small and medium batches (1 x 500 to 256 x 1400 "
+                            "tokens, H 4, D 128), eager (offsets, and a BlockLayout) and as CUDA graphs, against FA2 "
+                            "varlen; writes latency.json")
     bench.add_argument("--baselines", nargs="*", choices=list(BASELINES), metavar="NAME", default=None,
                        help="baselines to run (default: all): " + ", ".join(f"'{b}'" for b in BASELINES))
     bench.add_argument("--rep-ms", type=at_least(1), default=300, help="time spent repeating each measurement")
@@ -268,13 +272,31 @@ def options_bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
     return 1 if failures else 0
 
 
+def latency_bench(args: argparse.Namespace) -> int:
+    """``bench --latency``: host wall time per call against FA2 varlen."""
+    from rich.progress import Progress
+    from rich.text import Text
+
+    from .bench import latency
+
+    console = make_console()
+    with Progress(console=console, transient=True) as progress:
+        report = latency.run(seed=args.seed, progress=progress)
+    path = latency.write_file(report, args.out)
+    latency.print_report(report, console)
+    console.print(Text(f"wrote {path}"))
+    return 0
+
+
 def bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
     """Exit status 1 where blockattn or a whole workload failed (the report says which); 0 otherwise."""
     if not torch.cuda.is_available():
-        if args.dense:
-            print("No CUDA GPU here, so no timings: `blockattn bench --dense` times the flash-attention kernels on "
-                  "an NVIDIA GPU. Nothing written.")
-            return 0
+        special = {"--dense": (args.dense, "the flash-attention kernels"), "--latency": (args.latency, "host latency")}
+        for name, (asked, what) in special.items():
+            if asked:
+                print(f"No CUDA GPU here, so no timings: `blockattn bench {name}` times {what} on an NVIDIA GPU. "
+                      "Nothing written.")
+                return 0
         return cpu_demo(workloads, args.out)
     missing = [m for m in ("rich", "matplotlib") if importlib.util.find_spec(m) is None]
     if missing:
@@ -283,6 +305,8 @@ def bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
         return dense_bench(args)
     if args.options:
         return options_bench(args, workloads)
+    if args.latency:
+        return latency_bench(args)
     from rich.progress import Progress
     from rich.text import Text
 
@@ -397,12 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "info":
         return info()
-    if args.dense:
+    if args.dense or args.latency:
+        mode = "--dense" if args.dense else "--latency"
         given = [flag(f) for f in ("preset", *CUSTOM_FLAGS) if getattr(args, f) is not None]
         given += (["--rotary"] * args.rotary + ["--dtype"] * (args.dtype is not None)
-                  + ["--baselines"] * (args.baselines is not None))
-        if given or args.options:
-            args.usage_error(f"--dense times its own shapes; it takes no {', '.join(given or ['--options'])}")
+                  + ["--baselines"] * (args.baselines is not None) + ["--options"] * args.options
+                  + ["--latency"] * (args.dense and args.latency))
+        if given:
+            args.usage_error(f"{mode} times its own shapes; it takes no {', '.join(given)}")
         return bench(args, [])
     workloads = workloads_from_args(args)
     if args.options:

@@ -119,9 +119,9 @@ def block_attention(
     timestamps = checks.in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q, offsets,
                                  block_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out = custom_ops.block_attention_fwd(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias,
-                                         timestamps, time_bias, float(time_bucket_width), float(dropout_p),
-                                         _dropout_seed(dropout_p, q.device), *_table_args(table))[0]
+    out = custom_ops.block_attention(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias,
+                                     timestamps, time_bias, float(time_bucket_width), float(dropout_p),
+                                     _dropout_seed(dropout_p, q.device), *_table_args(table))
     if nested:
         return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)
@@ -176,10 +176,9 @@ def qkv_block_attention(
                                  offsets, block_size)
     scale = 1.0 / math.sqrt(shapes[0].shape[-1]) if scale is None else float(scale)
     qkv = x @ w if bias is None else torch.addmm(bias, x, w)
-    return custom_ops.qkv_block_attention_fwd(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale,
-                                              rotate, causal, pos_bias, timestamps, time_bias,
-                                              float(time_bucket_width), float(dropout_p),
-                                              _dropout_seed(dropout_p, x.device), *_table_args(table))[0]
+    return custom_ops.qkv_block_attention(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate,
+                                          causal, pos_bias, timestamps, time_bias, float(time_bucket_width),
+                                          float(dropout_p), _dropout_seed(dropout_p, x.device), *_table_args(table))
 
 
 def _table_args(table) -> tuple:

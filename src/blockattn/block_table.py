@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .devices import kernels_run_on
+from .ops.launch import launch
 
 
 class BlockTable(NamedTuple):
@@ -61,7 +62,7 @@ def scan_blocks(offsets: torch.Tensor, num_tokens: int, block_size: int,
     num_seqs = offsets.numel() - 1
     block_cum = torch.empty(num_seqs, dtype=torch.int32, device=offsets.device)
     ok = torch.empty((), dtype=torch.bool, device=offsets.device)
-    _block_scan_kernel[(1,)](offsets_ptr=offsets, block_cum_ptr=block_cum, ok_ptr=ok, num_seqs=num_seqs,
+    launch(_block_scan_kernel, (1,), offsets_ptr=offsets, block_cum_ptr=block_cum, ok_ptr=ok, num_seqs=num_seqs,
                              num_tokens=num_tokens, max_len=num_tokens if max_len is None else max_len,
                              BLOCK_SIZE=block_size, CHUNK=1024)
     return block_cum, ok

@@ -1,7 +1,10 @@
 """``torch.library`` custom ops: autograd, fake (meta) implementations and FLOP formulas, around the dispatcher.
 
 The ops are opaque to ``torch.compile`` (one node each, no graph break) and their fake implementations give the
-output metadata without running anything (``torch.compile``, meta tensors). Each attention op asks
+output metadata without running anything (``torch.compile``, meta tensors). In eager mode the public functions
+take a shorter route to the same implementations (:func:`eager_route`): a ``torch.autograd.Function`` that calls
+them directly, since the custom op's dispatch and autograd wrapper cost more host time than the kernels of a small
+batch. Each attention op asks
 ``backends.select`` which backend runs it; the rotary op runs its Triton kernel where ``devices.kernels_run_on``
 says the kernels run, else PyTorch. The forwards also return the block table they built, so that the backwards
 reuse it instead of building it again.
@@ -130,8 +133,30 @@ def _(offsets, num_tokens, block_size):
     return tuple(empty_block_table(offsets, num_tokens, block_size))
 
 
-@torch.library.custom_op("blockattn::block_attention_fwd", mutates_args=())
-def block_attention_fwd(
+def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save,
+                       input_grads) -> type[torch.autograd.Function]:
+    """Autograd of a forward op whose outputs are ``(out, *block_table)``, and the same as a
+    ``torch.autograd.Function`` on the ops' implementations (the eager route, :func:`eager_route`), which it
+    returns. ``save(ctx, inputs, table)`` keeps what ``input_grads(ctx, grad_out, backward)`` needs to call
+    ``backward`` (the backward op, or its implementation)."""
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(*output[1:])
+        save(ctx, inputs, output[1:])
+
+    fwd_op.register_autograd(lambda ctx, grad_out, *_table_grads: input_grads(ctx, grad_out, bwd_op),
+                             setup_context=setup_context)
+
+    def forward(ctx, *inputs):
+        out, *table = fwd_impl(*inputs)
+        save(ctx, inputs, table)
+        return out
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward),
+                 "backward": staticmethod(lambda ctx, grad_out: input_grads(ctx, grad_out, bwd_impl))})
+
+
+def _block_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None,
     block_size: int, scale: float, rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None,
     timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
@@ -144,6 +169,9 @@ def block_attention_fwd(
     return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options, block_cum, block_seq)
 
 
+block_attention_fwd = torch.library.custom_op("blockattn::block_attention_fwd", _block_attention_fwd, mutates_args=())
+
+
 @block_attention_fwd.register_fake
 def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_bias=None, timestamps=None,
       time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None, block_cum=None,
@@ -151,8 +179,7 @@ def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_b
     return torch.empty_like(q), *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum)
 
 
-@torch.library.custom_op("blockattn::block_attention_bwd", mutates_args=())
-def block_attention_bwd(
+def _block_attention_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
     sinu_pos: torch.Tensor | None, block_cum: torch.Tensor, block_seq: torch.Tensor, block_size: int, scale: float,
     rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,
@@ -167,36 +194,40 @@ def block_attention_bwd(
     return *grads, *bias_grads
 
 
+block_attention_bwd = torch.library.custom_op("blockattn::block_attention_bwd", _block_attention_bwd, mutates_args=())
+
+
 @block_attention_bwd.register_fake
 def _(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate, causal=False,
       pos_bias=None, timestamps=None, time_bias=None, *options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *_bias_grad_fakes(q, pos_bias, time_bias)
 
 
-def _setup_context(ctx, inputs, output):
+def _save_for_backward(ctx, inputs: tuple, table: tuple) -> None:
+    """Both routes (:func:`block_attention`): what the backward reads. ``inputs`` as the forward op takes them."""
     (q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias, width, p, seed,
      *layout_table) = inputs
-    ctx.mark_non_differentiable(*output[1:])
-    block_cum, block_seq = _saved_table(layout_table, output[1:])
+    block_cum, block_seq = _saved_table(layout_table, table)
     ctx.save_for_backward(q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed)
     ctx.block_size, ctx.scale, ctx.rotate = block_size, scale, rotate
     ctx.flags = (causal, width, p)
 
 
-def _attention_backward(ctx, grad_out, _grad_block_cum, _grad_block_seq):
+def _input_grads(ctx, grad_out, backward) -> tuple:
+    """The gradients of the forward op's inputs, by ``backward`` (the backward op, or its implementation)."""
     q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed = ctx.saved_tensors
     causal, width, p = ctx.flags
     options = (causal, pos_bias, timestamps, time_bias, width, p, seed)
-    dq, dk, dv, *bias_grads = block_attention_bwd(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq,
-                                                  ctx.block_size, ctx.scale, ctx.rotate, *options)
+    dq, dk, dv, *bias_grads = backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, ctx.block_size,
+                                       ctx.scale, ctx.rotate, *options)
     return dq, dk, dv, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None
 
 
-block_attention_fwd.register_autograd(_attention_backward, setup_context=_setup_context)
+_EagerBlockAttention = _register_autograd("EagerBlockAttention", block_attention_fwd, block_attention_bwd, _block_attention_fwd,
+                                          _block_attention_bwd, _save_for_backward, _input_grads)
 
 
-@torch.library.custom_op("blockattn::qkv_block_attention_fwd", mutates_args=())
-def qkv_block_attention_fwd(
+def _qkv_block_attention_fwd(
     qkv: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None, num_heads: int, num_kv_heads: int,
     block_size: int, scale: float, rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None,
     timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
@@ -209,6 +240,10 @@ def qkv_block_attention_fwd(
                     block_cum, block_seq)
 
 
+qkv_block_attention_fwd = torch.library.custom_op("blockattn::qkv_block_attention_fwd", _qkv_block_attention_fwd,
+                                                  mutates_args=())
+
+
 @qkv_block_attention_fwd.register_fake
 def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal=False, pos_bias=None,
       timestamps=None, time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None,
@@ -218,8 +253,7 @@ def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate
     return qkv.new_empty(n, num_heads, head_dim), *_fwd_table_fakes(offsets, n, block_size, block_cum)
 
 
-@torch.library.custom_op("blockattn::qkv_block_attention_bwd", mutates_args=())
-def qkv_block_attention_bwd(
+def _qkv_block_attention_bwd(
     grad_out: torch.Tensor, qkv: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None,
     block_cum: torch.Tensor, block_seq: torch.Tensor, num_heads: int, num_kv_heads: int, block_size: int,
     scale: float, rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None,
@@ -236,32 +270,68 @@ def qkv_block_attention_bwd(
     return dqkv, *bias_grads
 
 
+qkv_block_attention_bwd = torch.library.custom_op("blockattn::qkv_block_attention_bwd", _qkv_block_attention_bwd,
+                                                  mutates_args=())
+
+
 @qkv_block_attention_bwd.register_fake
 def _(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads, block_size, scale, rotate,
       causal=False, pos_bias=None, timestamps=None, time_bias=None, *options):
     return torch.empty_like(qkv), *_bias_grad_fakes(qkv, pos_bias, time_bias)
 
 
-def _qkv_setup_context(ctx, inputs, output):
+def _qkv_save_for_backward(ctx, inputs: tuple, table: tuple) -> None:
     (qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal, pos_bias, timestamps,
      time_bias, width, p, seed, *layout_table) = inputs
-    ctx.mark_non_differentiable(*output[1:])
-    block_cum, block_seq = _saved_table(layout_table, output[1:])
+    block_cum, block_seq = _saved_table(layout_table, table)
     ctx.save_for_backward(qkv, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed)
     ctx.shape_options = (num_heads, num_kv_heads, block_size, scale, rotate)
     ctx.flags = (causal, width, p)
 
 
-def _qkv_backward(ctx, grad_out, _grad_block_cum, _grad_block_seq):
+def _qkv_input_grads(ctx, grad_out, backward) -> tuple:
     qkv, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed = ctx.saved_tensors
     causal, width, p = ctx.flags
     options = (causal, pos_bias, timestamps, time_bias, width, p, seed)
-    dqkv, *bias_grads = qkv_block_attention_bwd(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq,
-                                                *ctx.shape_options, *options)
+    dqkv, *bias_grads = backward(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, *ctx.shape_options,
+                                 *options)
     return dqkv, None, None, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None
 
 
-qkv_block_attention_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup_context)
+_EagerQkvBlockAttention = _register_autograd("EagerQkvBlockAttention", qkv_block_attention_fwd, qkv_block_attention_bwd,
+                                             _qkv_block_attention_fwd, _qkv_block_attention_bwd,
+                                             _qkv_save_for_backward, _qkv_input_grads)
+
+
+def eager_route(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call may run its op's implementation under a ``torch.autograd.Function`` instead of through the
+    custom op: the op's dispatch and autograd wrapper cost ~300 µs of host time per forward + backward on an H100
+    host (docs/benchmarks.md), more than the kernels on a small batch. Not while ``torch.compile`` traces, under
+    a dispatch mode (``FlopCounterMode``, ``FakeTensorMode``) or a functorch transform, nor for tensor subclasses
+    or meta tensors: there the op's registrations (fake, FLOP formula) are what is asked for."""
+    if torch.compiler.is_compiling():
+        return False
+    return (torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active()
+            and all(type(t) in _PLAIN_TENSORS for t in tensors) and tensors[0].device.type != "meta")
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _attention(op, eager: type[torch.autograd.Function], inputs: tuple) -> torch.Tensor:
+    if eager_route(*(x for x in inputs if isinstance(x, torch.Tensor))):
+        return eager.apply(*inputs)
+    return op(*inputs)[0]
+
+
+def block_attention(*inputs) -> torch.Tensor:
+    """``block_attention_fwd(*inputs)``'s output with autograd: by the eager route where it may run."""
+    return _attention(block_attention_fwd, _EagerBlockAttention, inputs)
+
+
+def qkv_block_attention(*inputs) -> torch.Tensor:
+    """``qkv_block_attention_fwd(*inputs)``'s output with autograd: by the eager route where it may run."""
+    return _attention(qkv_block_attention_fwd, _EagerQkvBlockAttention, inputs)
 
 
 def in_block_pairs(offsets: torch.Tensor, num_tokens: int, block_size: int, causal: bool = False) -> int:

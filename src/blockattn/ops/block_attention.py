@@ -26,6 +26,9 @@ no GQA, 16-bit), plain or rotary, to a Gluon kernel instead (``block_attention_s
 
 from __future__ import annotations
 
+import functools
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +36,7 @@ import triton.language as tl
 from ..block_table import BlockTable
 from . import in_block, tiles
 from .in_block import InBlock, block_probs, block_probs_and_grads
+from .launch import launch
 from .rotary import (
     fence,
     inline_asm,
@@ -64,8 +68,9 @@ from .tiles import (
 )
 
 
+@functools.cache  # read-only: one mapping per shape, computed once (launches are host-bound on small batches)
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
-                  rotary: bool = False) -> dict:
+                  rotary: bool = False) -> MappingProxyType:
     """Compile-time shape and launch of a kernel, as measured best on an H200 (docs/benchmarks.md).
 
     Head-dim slices are at most 64 x 128 elements in the forward and 64 x 64 in the backward, which holds more
@@ -87,13 +92,13 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                  and element_size == 2)
     max_slice = 64 * 64 if backward and not (pipelined or rotary) else 64 * 128
     chunk = min(block_d, max(min_width, max_slice // block_size))
-    return {
+    return MappingProxyType({
         "BLOCK_D": block_d,
         "CHUNK": chunk,
         "NUM_CHUNKS": triton.cdiv(block_d, chunk),
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
-    }
+    })
 
 
 def _num_warps(block_size: int) -> int:
@@ -516,10 +521,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.cache
+def _stride_names(prefix: str) -> tuple[str, str, str]:
+    return f"stride_{prefix}n", f"stride_{prefix}h", f"stride_{prefix}d"
+
+
 def _strides(prefix: str, t: torch.Tensor) -> dict:
     """``stride_{prefix}n``, ``stride_{prefix}h``, ``stride_{prefix}d`` of an ``[N, H, D]`` tensor, as kernel
     keyword arguments."""
-    return {f"stride_{prefix}{dim}": stride for dim, stride in zip("nhd", t.stride())}
+    return dict(zip(_stride_names(prefix), t.stride()))
 
 
 def _table_args(offsets: torch.Tensor, table: BlockTable) -> dict:
@@ -554,7 +564,7 @@ def block_attention_fwd_triton(
         return out
     cfg = kernel_config(block_size, d, backward=False, rotary=bool(rotate))
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
-    _block_attention_fwd_kernel[(table.num_slots * hq,)](
+    launch(_block_attention_fwd_kernel, (table.num_slots * hq,),
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **_table_args(offsets, table),
         num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
@@ -622,7 +632,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     one_layout = len({t.stride() for t in (q, k, v, dq, dk, dv)}) == 1
     if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None and not options.bits:
         programs = min(table.num_slots * hq, _persistent_programs(q.device))
-        _block_attention_bwd_persistent_kernel[(programs,)](
+        launch(_block_attention_bwd_persistent_kernel, (programs,),
             **tensors, **common, num_slots=table.num_slots, **_strides("", q), **_strides("do", grad_out),
             NUM_HEADS=hq, PIPELINE_STAGES=cfg["PIPELINE_STAGES"], DO_SHARES_LAYOUT=grad_out.stride() == q.stride(),
         )
@@ -631,7 +641,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     strides = {name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"), (q, k, v, grad_out, *grads))
                for name, stride in _strides(prefix, t).items()}
-    _block_attention_bwd_kernel[(table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),)](
+    launch(_block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
         **tensors, sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], **common, **strides,
         stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q), NUM_KV_HEADS=hkv, GROUP=group,
         NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,

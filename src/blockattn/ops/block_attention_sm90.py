@@ -16,6 +16,8 @@ registers leave two programs per multiprocessor); the plain backward on an H200 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -34,6 +36,7 @@ except ImportError:  # triton 3.6 names it async_copy_global_to_shared (removed 
 
 from ..block_table import BlockTable
 from .in_block import InBlock
+from .launch import launch
 from .tiles import (
     LOG2E,
     ROTATE_K,
@@ -209,10 +212,14 @@ def why_not(call) -> str | None:
     return None
 
 
+@functools.cache
+def _tile_layout(head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([_BLOCK_SIZE, head_dim], _GL_DTYPES[dtype])
+
+
 def _descriptor(t: torch.Tensor) -> TensorDescriptor:
     n, h, d = t.shape
-    layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_SIZE, d], _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, [n, h * d], [t.stride(0), 1], [_BLOCK_SIZE, d], layout)
+    return TensorDescriptor(t, [n, h * d], [t.stride(0), 1], [_BLOCK_SIZE, d], _tile_layout(d, t.dtype))
 
 
 def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -226,7 +233,7 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     if table.num_slots == 0:
         return None, None
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
-    _block_attention_bwd_sm90_kernel[(table.num_slots * h,)](
+    launch(_block_attention_bwd_sm90_kernel, (table.num_slots * h,),
         q_desc=_descriptor(q), k_desc=_descriptor(k), v_desc=_descriptor(v), do_desc=_descriptor(grad_out),
         dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, sinu_ptr=sinu_ptr,
         block_seq_ptr=table.block_seq, block_cum_ptr=table.block_cum, offsets_ptr=offsets,

@@ -190,12 +190,10 @@ def _time_buckets(rows, row_ok, mods):
     a = tl.maximum(dt, 1.0)
     x = tl.log2(a) * bucket_scale
     guess = tl.minimum(x.to(tl.int32), num_buckets - 1)
-    # The estimate is off by at most one, and only where x lies within the log2's error of an integer: only there
-    # are the edges read (a masked load reads nothing), 2**-12 buckets per unit of bucket_scale being far above it.
-    fraction = x - x.to(tl.int32).to(tl.float32)
-    near = (fraction < bucket_scale * 2.0**-12) | (fraction > 1.0 - bucket_scale * 2.0**-12)
-    below = a < tl.load(edges_ptr + guess, mask=near, other=0.0)
-    above = a >= tl.load(edges_ptr + guess + 1, mask=near, other=float("inf"))
+    # The estimate is off by at most one. Both edges are read for every pair (the table sits in L1): masking the
+    # reads to the pairs near an edge measured slower (docs/benchmarks.md).
+    below = a < tl.load(edges_ptr + guess)
+    above = a >= tl.load(edges_ptr + guess + 1)
     return tl.minimum(tl.maximum(guess - below.to(tl.int32) + above.to(tl.int32), 0), num_buckets - 1)
 
 
