@@ -501,6 +501,13 @@ def test_latency_bench_without_gpu_says_so(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_reports_are_written_as_json(tmp_path):
+    report = {"environment": dict(FAKE_ENV), "results": [{"us": 1.5}]}
+    for module, name in ((latency, "latency.json"), (options_bench, "options.json")):
+        path = module.write_file(report, tmp_path / "new")
+        assert path == tmp_path / "new" / name and json.loads(path.read_text()) == report
+
+
 def test_baselines_say_why_not_here():
     assert set(NEEDS) == set(BASELINES)
     for name in BASELINES:

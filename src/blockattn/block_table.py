@@ -63,8 +63,8 @@ def scan_blocks(offsets: torch.Tensor, num_tokens: int, block_size: int,
     block_cum = torch.empty(num_seqs, dtype=torch.int32, device=offsets.device)
     ok = torch.empty((), dtype=torch.bool, device=offsets.device)
     launch(_block_scan_kernel, (1,), offsets_ptr=offsets, block_cum_ptr=block_cum, ok_ptr=ok, num_seqs=num_seqs,
-                             num_tokens=num_tokens, max_len=num_tokens if max_len is None else max_len,
-                             BLOCK_SIZE=block_size, CHUNK=1024)
+           num_tokens=num_tokens, max_len=num_tokens if max_len is None else max_len, BLOCK_SIZE=block_size,
+           CHUNK=1024)
     return block_cum, ok
 
 

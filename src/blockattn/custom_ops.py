@@ -223,8 +223,9 @@ def _input_grads(ctx, grad_out, backward) -> tuple:
     return dq, dk, dv, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None
 
 
-_EagerBlockAttention = _register_autograd("EagerBlockAttention", block_attention_fwd, block_attention_bwd, _block_attention_fwd,
-                                          _block_attention_bwd, _save_for_backward, _input_grads)
+_EagerBlockAttention = _register_autograd("EagerBlockAttention", block_attention_fwd, block_attention_bwd,
+                                          _block_attention_fwd, _block_attention_bwd, _save_for_backward,
+                                          _input_grads)
 
 
 def _qkv_block_attention_fwd(
@@ -298,15 +299,16 @@ def _qkv_input_grads(ctx, grad_out, backward) -> tuple:
     return dqkv, None, None, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None
 
 
-_EagerQkvBlockAttention = _register_autograd("EagerQkvBlockAttention", qkv_block_attention_fwd, qkv_block_attention_bwd,
-                                             _qkv_block_attention_fwd, _qkv_block_attention_bwd,
-                                             _qkv_save_for_backward, _qkv_input_grads)
+_EagerQkvBlockAttention = _register_autograd("EagerQkvBlockAttention", qkv_block_attention_fwd,
+                                             qkv_block_attention_bwd, _qkv_block_attention_fwd,
+                                             _qkv_block_attention_bwd, _qkv_save_for_backward, _qkv_input_grads)
 
 
-def eager_route(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call may run its op's implementation under a ``torch.autograd.Function`` instead of through the
-    custom op: the op's dispatch and autograd wrapper cost ~300 µs of host time per forward + backward on an H100
-    host (docs/benchmarks.md), more than the kernels on a small batch. Not while ``torch.compile`` traces, under
+def eager_route(*tensors: torch.Tensor) -> bool:
+    """Whether a call on ``tensors`` (the first the op's main input) may run its op's implementation under a
+    ``torch.autograd.Function`` instead of through the custom op: the op's dispatch and autograd wrapper measured
+    ~250 µs of host time per forward with gradients on an H100's host, a ``torch.autograd.Function`` ~26 µs
+    (docs/benchmarks.md), more than the kernels of a small batch take. Not while ``torch.compile`` traces, under
     a dispatch mode (``FlopCounterMode``, ``FakeTensorMode``) or a functorch transform, nor for tensor subclasses
     or meta tensors: there the op's registrations (fake, FLOP formula) are what is asked for."""
     if torch.compiler.is_compiling():

@@ -367,6 +367,14 @@ def write_chart(report: Report, path: Path) -> None:
     plt.close(fig)
 
 
+def write_json(report: dict, out_dir: Path, name: str) -> Path:
+    """``report`` as ``out_dir / name``, the folder made where missing."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    path.write_text(json.dumps(report, indent=2))
+    return path
+
+
 def write_files(report: Report, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, chart_path = out_dir / "bench.json", out_dir / "bench.png"

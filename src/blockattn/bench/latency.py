@@ -14,7 +14,6 @@ by ``calls``: a host-bound call shows its host time, a GPU-bound one its GPU tim
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 import blockattn
 
-from .harness import environment
+from . import harness
 
 BATCHES = ((1, 500), (8, 200), (64, 1400), (256, 1400))
 HEADS, HEAD_DIM, BLOCK_SIZE = 4, 128, 64
@@ -117,7 +116,7 @@ def run(seed: int = 0, batches=BATCHES, calls_per_repeat: int = 200, progress=No
     fa2 = {(r["batch"], r["mode"], r["pass"]): r["us"] for r in rows if r["impl"] == FA2}
     for r in rows:
         r["x_fa2"] = r["us"] / fa2[(r["batch"], "graph" if r["mode"] == "graph" else "eager", r["pass"])]
-    return {"environment": environment(), "heads": HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
+    return {"environment": harness.environment(), "heads": HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
             "dtype": "bfloat16", "calls_per_repeat": calls_per_repeat, "results": rows}
 
 
@@ -146,7 +145,4 @@ def print_report(report: dict, console) -> None:
 
 
 def write_file(report: dict, out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "latency.json"
-    path.write_text(json.dumps(report, indent=2))
-    return path
+    return harness.write_json(report, out_dir, "latency.json")

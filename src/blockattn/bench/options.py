@@ -11,7 +11,6 @@ timed, except under dropout (other generators). One that cannot run here is reco
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import blockattn
 from blockattn.ops.in_block import DEFAULT_BUCKET_WIDTH
 from blockattn.reference import snr_db
 
+from . import harness
 from .harness import FAILED, UNAVAILABLE, describe, environment, floor_bytes, free_memory, make_case, time_ms
 from .presets import Workload
 
@@ -262,8 +262,5 @@ def print_report(report: dict, console) -> None:
 
 
 def write_file(report: dict, out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "options.json"
-    path.write_text(json.dumps(report, indent=2))
-    return path
+    return harness.write_json(report, out_dir, "options.json")
 

@@ -564,7 +564,8 @@ def block_attention_fwd_triton(
         return out
     cfg = kernel_config(block_size, d, backward=False, rotary=bool(rotate))
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
-    launch(_block_attention_fwd_kernel, (table.num_slots * hq,),
+    launch(
+        _block_attention_fwd_kernel, (table.num_slots * hq,),
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **_table_args(offsets, table),
         num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
@@ -632,7 +633,8 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     one_layout = len({t.stride() for t in (q, k, v, dq, dk, dv)}) == 1
     if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None and not options.bits:
         programs = min(table.num_slots * hq, _persistent_programs(q.device))
-        launch(_block_attention_bwd_persistent_kernel, (programs,),
+        launch(
+            _block_attention_bwd_persistent_kernel, (programs,),
             **tensors, **common, num_slots=table.num_slots, **_strides("", q), **_strides("do", grad_out),
             NUM_HEADS=hq, PIPELINE_STAGES=cfg["PIPELINE_STAGES"], DO_SHARES_LAYOUT=grad_out.stride() == q.stride(),
         )
@@ -641,7 +643,8 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     strides = {name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"), (q, k, v, grad_out, *grads))
                for name, stride in _strides(prefix, t).items()}
-    launch(_block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
+    launch(
+        _block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
         **tensors, sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], **common, **strides,
         stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q), NUM_KV_HEADS=hkv, GROUP=group,
         NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,

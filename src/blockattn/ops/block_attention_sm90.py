@@ -233,7 +233,8 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     if table.num_slots == 0:
         return None, None
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
-    launch(_block_attention_bwd_sm90_kernel, (table.num_slots * h,),
+    launch(
+        _block_attention_bwd_sm90_kernel, (table.num_slots * h,),
         q_desc=_descriptor(q), k_desc=_descriptor(k), v_desc=_descriptor(v), do_desc=_descriptor(grad_out),
         dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, sinu_ptr=sinu_ptr,
         block_seq_ptr=table.block_seq, block_cum_ptr=table.block_cum, offsets_ptr=offsets,

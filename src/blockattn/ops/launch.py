@@ -1,9 +1,9 @@
 """Kernel launches without Triton's per-call argument binding: what a small batch pays on the host.
 
-``kernel[grid](**kwargs)`` costs about 90 µs of host time per launch for our kernels of ~50 arguments (H100 host,
-triton 3.6, docs/benchmarks.md): Triton binds every argument, derives its specialisation (dtype and 16-byte
-alignment of pointers; 16-divisibility, value 1 and width of integers), builds a cache key from them and checks the
-kernel's globals, before the launch itself (about 14 µs). :func:`launch` derives a key that determines that
+``kernel[grid](**kwargs)`` costs 40–75 µs of host time per launch for our kernels of ~50 arguments (an H100's
+shared host, triton 3.6, docs/benchmarks.md): Triton binds every argument, derives its specialisation (dtype and
+16-byte alignment of pointers; 16-divisibility, value 1 and width of integers), builds a cache key from them and
+checks the kernel's globals, before the launch itself (12–19 µs). :func:`launch` derives a key that determines that
 specialisation from the arguments directly (the same properties, never fewer) and launches the compiled kernel
 of a key it has seen; an unseen key goes through ``kernel[grid]`` once, which compiles or finds the kernel.
 

@@ -217,7 +217,8 @@ def rotary_triton(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool) -> tor
         return y
     pairs = triton.next_power_of_2(d // 2)
     block_rows = max(1, 2048 // pairs)
-    launch(_rotary_kernel, (triton.cdiv(n, block_rows),),
+    launch(
+        _rotary_kernel, (triton.cdiv(n, block_rows),),
         x_ptr=x, sinu_ptr=sinu_pos, y_ptr=y, num_tokens=n, num_heads=h, head_dim=d,
         stride_xn=x.stride(0), stride_xh=x.stride(1), stride_yn=y.stride(0), stride_yh=y.stride(1),
         stride_sn=sinu_pos.stride(0), stride_sd=sinu_pos.stride(1),
