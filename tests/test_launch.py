@@ -9,6 +9,14 @@ from conftest import requires_gpu
 from blockattn.ops import launch
 
 
+@pytest.fixture
+def key(monkeypatch):
+    """The key ``launch`` computes for one argument (its inline tensor and int branches, and ``_key_of`` for the
+    rest), on any machine: the current device is read first, so it is fixed to 0 here."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return lambda value, constexpr=False: launch._key([value], (constexpr,), ())
+
+
 @pytest.mark.parametrize(("a", "b"), [
     (1, 2),  # Triton may specialise the value 1
     (16, 17), (32, 40),  # divisibility by 16
@@ -16,23 +24,27 @@ from blockattn.ops import launch
     (2**63 - 16, 2**63),  # int64 against uint64
     (3, 3.0), (1, True),  # the type
 ])
-def test_keys_tell_apart_what_triton_specialises_on(a, b):
-    assert launch._key_of(a, constexpr=False) != launch._key_of(b, constexpr=False)
+def test_keys_tell_apart_what_triton_specialises_on(a, b, key):
+    assert key(a) != key(b)
 
 
-def test_keys_of_the_same_specialisation_are_equal():
-    assert launch._key_of(32, False) == launch._key_of(4096, False)
-    assert launch._key_of(0.5, False) == launch._key_of(2.0, False)
+def test_keys_of_the_same_specialisation_are_equal(key):
+    assert key(32) == key(4096)
+    assert key(0.5) == key(2.0)
     x = torch.zeros(64, dtype=torch.float16)
-    assert launch._key_of(x, False) == launch._key_of(x[8:], False)  # both 16-byte aligned
-    assert launch._key_of(x, False) != launch._key_of(x[1:], False)
-    assert launch._key_of(x, False) != launch._key_of(x.bfloat16(), False)
-    assert launch._key_of(64, constexpr=True) != launch._key_of(128, constexpr=True)  # constexprs by value
+    assert key(x) == key(x[8:])  # both 16-byte aligned
+    assert key(x) != key(x[1:])
+    assert key(x) != key(x.bfloat16())
+    assert key(64, constexpr=True) != key(128, constexpr=True)  # constexprs by value
+    # A tensor subclass (a learnable bias) takes the general branch: the same properties tell its keys apart.
+    param = torch.nn.Parameter(x.float())
+    assert key(param) != key(torch.nn.Parameter(x.float()[1:]))
+    assert key(param) != key(torch.nn.Parameter(x))
 
 
-def test_unknown_argument_types_are_not_cached():
+def test_unknown_argument_types_are_not_cached(key):
     with pytest.raises(launch._Uncached):
-        launch._key_of([1, 2], constexpr=False)
+        key([1, 2])
 
 
 @triton.jit
