@@ -14,7 +14,7 @@ import torch
 from conftest import HAS_GPU, make_offsets, random_angles, requires_gpu
 
 from blockattn.__main__ import build_parser, main, make_console, print_report, workloads_from_args
-from blockattn.bench import harness, latency
+from blockattn.bench import harness, latency, sweep
 from blockattn.bench import options as options_bench
 from blockattn.bench.baselines import (
     BASELINES,
@@ -83,6 +83,9 @@ def test_cli_custom_workload():
     (["--latency", "--preset", "ads"], "--latency times its own shapes; it takes no --preset"),
     (["--latency", "--options"], "--latency times its own shapes; it takes no --options"),
     (["--dense", "--latency"], "--dense times its own shapes; it takes no --latency"),
+    (["--sweep", "--preset", "ads"], "--sweep times its own grid"),
+    (["--sweep", "--heads", "4", "--rotary"], "it takes no --heads, --rotary"),
+    (["--sweep", "--block-size", "48"], "argument --block-size: invalid choice: 48"),
     (["--options", "--rotary"], "--options times its own baselines on the plain op; it takes no --rotary"),
     (["--options", "--preset", "ads", "short"], "--options times one workload, got 2"),
 ])
@@ -508,6 +511,44 @@ def test_reports_are_written_as_json(tmp_path):
         assert path == tmp_path / "new" / name and json.loads(path.read_text()) == report
 
 
+@pytest.mark.skipif(HAS_GPU, reason="checks the machine-without-GPU path")
+def test_sweep_without_gpu_says_so(capsys, tmp_path):
+    assert main(["bench", "--sweep", "--block-size", "64", "--out", str(tmp_path / "out")]) == 0
+    assert "No CUDA GPU here" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_sweep_grid_and_its_restrictions():
+    full = sweep.grid()
+    assert len(full) == len(set(full)) == 4 * 4 * 4 * 2 * 3
+    some = sweep.grid(block_sizes=(64,), dtypes=("float16",))
+    assert {c.block_size for c in some} == {64} and {c.dtype for c in some} == {"float16"} and len(some) == 48
+
+
+def test_sweep_on_the_cpu(fake_gpu, tmp_path):
+    """The sweep's bookkeeping, with stand-in timings: each configuration's floor counts its own angle bytes, a
+    configuration that cannot run is recorded and the others still run, and the JSON and heatmap are written."""
+    configs = sweep.grid(block_sizes=(16,), head_dims=(32,), kv_heads=(8, 2), dtypes=("bfloat16",))
+    bad = sweep.Config(16, 20, 8, "bfloat16", "none")  # head dim 20: not a multiple of 8
+    report = sweep.run([*configs, bad], rep_ms=1, query_elements=sweep.NUM_HEADS * 32 * 1000, device="cpu")
+    assert [f["head_dim"] for f in report["failed"]] == [20] and "head_dim" in report["failed"][0]["reason"]
+    rows = {(r["kv_heads"], r["rotary"]): r for r in report["results"]}
+    assert len(rows) == len(configs)
+    for kv_heads in (8, 2):
+        none, fp32, same = (rows[(kv_heads, rotary)] for rotary in sweep.ROTARY)
+        n = none["tokens"]
+        for pass_name in sweep.PASSES:
+            floor_bytes = none[pass_name]["floor_ms"] * 3.0e9  # fake_gpu's 3 TB/s, in bytes per ms
+            assert fp32[pass_name]["floor_ms"] * 3.0e9 == pytest.approx(floor_bytes + n * 32 * 4)
+            assert same[pass_name]["floor_ms"] * 3.0e9 == pytest.approx(floor_bytes + n * 32 * 2)
+            assert none[pass_name]["x_floor"] == pytest.approx(1.0 / none[pass_name]["floor_ms"])
+    assert rows[(2, "none")]["fwd"]["floor_ms"] < rows[(8, "none")]["fwd"]["floor_ms"]  # GQA reads fewer k, v
+    paths = sweep.write_files(report, tmp_path)
+    assert json.loads(paths[0].read_text())["results"] == report["results"]
+    assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sweep.print_report(report, make_console(io.StringIO()))
+
+
 def test_baselines_say_why_not_here():
     assert set(NEEDS) == set(BASELINES)
     for name in BASELINES:
@@ -637,3 +678,11 @@ def test_small_gpu_latency_run(tmp_path):
         assert r["x_fa2"] == pytest.approx(r["us"] / by_key[(r["batch"], latency.FA2, fa2_mode, r["pass"])]["us"])
     assert json.loads(latency.write_file(report, tmp_path).read_text())["results"] == rows
 
+
+@requires_gpu
+def test_small_gpu_sweep_run(tmp_path):
+    configs = sweep.grid(block_sizes=(32,), head_dims=(64,), kv_heads=(8, 2), dtypes=("bfloat16",))
+    report = sweep.run(configs, rep_ms=5, query_elements=2**20)
+    assert not report["failed"] and len(report["results"]) == len(configs)
+    assert all(0.3 < r[p]["x_floor"] < 50 for r in report["results"] for p in sweep.PASSES)
+    assert [p.name for p in sweep.write_files(report, tmp_path)] == ["sweep.json", "sweep.png"]

@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="time host wall time per call instead, on small and medium batches (1 x 500 to 256 x 1400 "
                             "tokens, H 4, D 128), eager (offsets, and a BlockLayout) and as CUDA graphs, against FA2 "
                             "varlen; writes latency.json")
+    bench.add_argument("--sweep", action="store_true",
+                       help="time every configuration instead: block size x head dim x GQA ratio x dtype x rotary "
+                            "(none, fp32 angles, angles in the inputs' dtype), forward and backward over each one's "
+                            "memory floor; --block-size, --head-dim, --kv-heads and --dtype restrict an axis to one "
+                            "value; writes sweep.json and sweep.png")
     bench.add_argument("--baselines", nargs="*", choices=list(BASELINES), metavar="NAME", default=None,
                        help="baselines to run (default: all): " + ", ".join(f"'{b}'" for b in BASELINES))
     bench.add_argument("--rep-ms", type=at_least(1), default=300, help="time spent repeating each measurement")
@@ -288,10 +293,31 @@ def latency_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def sweep_bench(args: argparse.Namespace) -> int:
+    """``bench --sweep``: every configuration (or the axes' restrictions); exit status 1 where one failed."""
+    from rich.progress import Progress
+    from rich.text import Text
+
+    from .bench import sweep
+
+    axes = {"block_sizes": args.block_size, "head_dims": args.head_dim, "kv_heads": args.kv_heads,
+            "dtypes": args.dtype}
+    configs = sweep.grid(**{axis: (value,) for axis, value in axes.items() if value is not None})
+    console = make_console()
+    with Progress(console=console, transient=True) as progress:
+        report = sweep.run(configs, rep_ms=args.rep_ms, seed=args.seed, progress=progress)
+    paths = sweep.write_files(report, args.out)
+    sweep.print_report(report, console)
+    for path in paths:
+        console.print(Text(f"wrote {path}"))
+    return 1 if report["failed"] else 0
+
+
 def bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
     """Exit status 1 where blockattn or a whole workload failed (the report says which); 0 otherwise."""
     if not torch.cuda.is_available():
-        special = {"--dense": (args.dense, "the flash-attention kernels"), "--latency": (args.latency, "host latency")}
+        special = {"--dense": (args.dense, "the flash-attention kernels"), "--latency": (args.latency, "host latency"),
+                   "--sweep": (args.sweep, "every kernel configuration")}
         for name, (asked, what) in special.items():
             if asked:
                 print(f"No CUDA GPU here, so no timings: `blockattn bench {name}` times {what} on an NVIDIA GPU. "
@@ -307,6 +333,8 @@ def bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
         return options_bench(args, workloads)
     if args.latency:
         return latency_bench(args)
+    if args.sweep:
+        return sweep_bench(args)
     from rich.progress import Progress
     from rich.text import Text
 
@@ -426,9 +454,17 @@ def main(argv: list[str] | None = None) -> int:
         given = [flag(f) for f in ("preset", *CUSTOM_FLAGS) if getattr(args, f) is not None]
         given += (["--rotary"] * args.rotary + ["--dtype"] * (args.dtype is not None)
                   + ["--baselines"] * (args.baselines is not None) + ["--options"] * args.options
-                  + ["--latency"] * (args.dense and args.latency))
+                  + ["--latency"] * (args.dense and args.latency) + ["--sweep"] * args.sweep)
         if given:
             args.usage_error(f"{mode} times its own shapes; it takes no {', '.join(given)}")
+        return bench(args, [])
+    if args.sweep:
+        given = [flag(f) for f in ("preset", "seqs", "max_len", "sparsity", "heads") if getattr(args, f) is not None]
+        given += (["--rotary"] * args.rotary + ["--baselines"] * (args.baselines is not None)
+                  + ["--options"] * args.options)
+        if given:
+            args.usage_error(f"--sweep times its own grid (restricted by --block-size, --head-dim, --kv-heads, "
+                             f"--dtype); it takes no {', '.join(given)}")
         return bench(args, [])
     workloads = workloads_from_args(args)
     if args.options:

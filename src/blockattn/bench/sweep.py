@@ -1,0 +1,183 @@
+"""The configuration sweep (``python -m blockattn bench --sweep``): block size x head dim x GQA ratio x dtype x
+rotary, forward and backward, each as time over its own memory floor; a table, ``sweep.json`` and a heatmap
+``sweep.png``.
+
+Rotary is ``none``, ``fp32 angles`` (``sinu_pos`` in float32, as a user builds it) or ``input angles`` (in the
+inputs' dtype: half the angle bytes); each floor counts its own angle bytes. Every configuration runs on
+``ads``-like lengths (800 to 2000 tokens) with 8 query heads and as many sequences as make about 2**27 query
+elements (256 MiB of 16-bit queries, enough to fill an H100 or H200). Times: the forward through
+``block_attention``, the backward op alone from the forward's block table (as in ``bench``).
+
+The whole grid compiles two kernels per configuration (about 40 minutes on an H100 host); ``--block-size``,
+``--head-dim``, ``--kv-heads`` and ``--dtype`` restrict its axes to split it across runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import blockattn
+from blockattn.ops.tiles import ROTATE_ALL, ROTATE_NONE
+
+from . import harness
+from .presets import Workload
+
+BLOCK_SIZES = (16, 32, 64, 128)
+HEAD_DIMS = (32, 64, 128, 256)
+NUM_HEADS = 8
+KV_HEADS = (8, 4, 2, 1)  # GQA ratios 1, 2, 4 and 8 (MQA)
+DTYPES = ("bfloat16", "float16")
+ROTARY = ("none", "fp32 angles", "input angles")
+PASSES = ("fwd", "bwd")
+QUERY_ELEMENTS = 2**27
+MEAN_LENGTH = 1400
+
+
+@dataclass(frozen=True)
+class Config:
+    block_size: int
+    head_dim: int
+    kv_heads: int
+    dtype: str
+    rotary: str
+
+    def workload(self, query_elements: int) -> Workload:
+        num_seqs = max(1, query_elements // (NUM_HEADS * self.head_dim * MEAN_LENGTH))
+        return Workload("sweep", num_seqs, 800, 2000, NUM_HEADS, self.kv_heads, self.head_dim, self.block_size,
+                        self.dtype)
+
+
+def grid(block_sizes=BLOCK_SIZES, head_dims=HEAD_DIMS, kv_heads=KV_HEADS, dtypes=DTYPES,
+         rotary=ROTARY) -> list[Config]:
+    return [Config(*values) for values in itertools.product(block_sizes, head_dims, kv_heads, dtypes, rotary)]
+
+
+def _angles(config: Config, num_tokens: int, device, generator) -> torch.Tensor | None:
+    if config.rotary == "none":
+        return None
+    theta = torch.rand(num_tokens, config.head_dim // 2, device=device, generator=generator) * 2 * math.pi
+    sinu_pos = torch.cat([theta.sin(), theta.cos()], dim=1)
+    return sinu_pos if config.rotary == "fp32 angles" else sinu_pos.to(getattr(torch, config.dtype))
+
+
+def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed: int, device: str) -> dict:
+    w = config.workload(query_elements)
+    case = harness.make_case(w, w.offsets(seed, device=device), seed)
+    n = case.q.shape[0]
+    sinu_pos = _angles(config, n, device, torch.Generator(device=device).manual_seed(seed + 1))
+    rotate = ROTATE_NONE if sinu_pos is None else ROTATE_ALL
+    angle_bytes = 0 if sinu_pos is None else sinu_pos.numel() * sinu_pos.element_size()
+    floors = {p: (b + angle_bytes) / (tbps * 1e12) * 1e3 for p, b in harness.floor_bytes(w, n).items()}
+
+    def forward():
+        return blockattn.block_attention(case.q, case.k, case.v, case.offsets, block_size=case.block_size,
+                                         scale=case.scale, sinu_pos=sinu_pos)
+
+    def backward():  # the op alone, as autograd calls it
+        return torch.ops.blockattn.block_attention_bwd(
+            grad_out=case.do, q=case.q, k=case.k, v=case.v, offsets=case.offsets, sinu_pos=sinu_pos,
+            **case.table._asdict(), block_size=case.block_size, scale=case.scale, rotate=rotate)
+
+    row = {**asdict(config), "tokens": n, "gqa": NUM_HEADS // config.kv_heads}
+    for pass_name, fn in zip(PASSES, (forward, backward)):
+        ms = harness.time_ms(fn, rep_ms)
+        row[pass_name] = {"ms": ms["p50"], "quantiles_ms": ms, "floor_ms": floors[pass_name],
+                          "x_floor": ms["p50"] / floors[pass_name]}
+    return row
+
+
+def run(configs: list[Config], rep_ms: int, seed: int = 0, progress=None, query_elements: int = QUERY_ELEMENTS,
+        device: str = "cuda") -> dict:
+    """Every configuration; one that fails is recorded with its reason and the others still run."""
+    tbps = harness.copy_bandwidth_tbps(rep_ms)
+    rows, failed = [], []
+    task = progress.add_task("sweep", total=len(configs)) if progress else None
+    for config in configs:
+        if progress:
+            progress.update(task, description=f"sweep: {config}")
+        try:
+            rows.append(_measure(config, query_elements, rep_ms, tbps, seed, device))
+        except Exception as error:  # noqa: BLE001 -- one configuration's failure is a result; the rest still run
+            failed.append({**asdict(config), "status": harness.FAILED, "reason": harness.describe(error)})
+        finally:
+            if device == "cuda":
+                harness.free_memory()
+        if progress:
+            progress.advance(task)
+    return {"environment": harness.environment(), "copy_bandwidth_tbps": tbps, "num_heads": NUM_HEADS,
+            "query_elements": query_elements, "results": rows, "failed": failed}
+
+
+def print_report(report: dict, console) -> None:
+    from rich.table import Table
+
+    env = report["environment"]
+    console.print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; copy bandwidth "
+                  f"{report['copy_bandwidth_tbps']:.2f} TB/s; Hq = {report['num_heads']}")
+    table = Table(title="configuration sweep: time over each configuration's memory floor")
+    for col in ("BS", "D", "Hq:Hkv", "dtype", "rotary", "tokens", "fwd ms", "fwd x floor", "bwd ms", "bwd x floor"):
+        table.add_column(col)
+    for r in report["results"]:
+        table.add_row(str(r["block_size"]), str(r["head_dim"]), f"{report['num_heads']}:{r['kv_heads']}", r["dtype"],
+                      r["rotary"], str(r["tokens"]), f"{r['fwd']['ms']:.3f}", f"{r['fwd']['x_floor']:.2f}",
+                      f"{r['bwd']['ms']:.3f}", f"{r['bwd']['x_floor']:.2f}")
+    console.print(table)
+    for f in report["failed"]:
+        console.print(f"FAILED: BS {f['block_size']}, D {f['head_dim']}, Hkv {f['kv_heads']}, {f['dtype']}, "
+                      f"{f['rotary']}: {f['reason']}", style="bold red", markup=False)
+
+
+def heatmap(report: dict):
+    """One panel per (pass, dtype, rotary): block size and head dim down, GQA ratio across, x floor in colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    panels = sorted({(r["dtype"], r["rotary"]) for r in rows}, key=lambda p: (DTYPES.index(p[0]),
+                                                                            ROTARY.index(p[1])))
+    shapes = sorted({(r["block_size"], r["head_dim"]) for r in rows})
+    ratios = sorted({r["gqa"] for r in rows})
+    fig, axes = plt.subplots(len(PASSES), len(panels), figsize=(3.2 * len(panels) + 1, 0.32 * len(shapes) * 2 + 2),
+                             squeeze=False, constrained_layout=True)
+    by_key = {(r["dtype"], r["rotary"], r["block_size"], r["head_dim"], r["gqa"]): r for r in rows}
+    image = None
+    for i, pass_name in enumerate(PASSES):
+        for j, (dtype, rotary) in enumerate(panels):
+            values = [[by_key[(dtype, rotary, bs, d, g)][pass_name]["x_floor"]
+                       if (dtype, rotary, bs, d, g) in by_key else float("nan") for g in ratios] for bs, d in shapes]
+            ax = axes[i][j]
+            image = ax.imshow(values, cmap="RdYlGn_r", vmin=0.9, vmax=2.0, aspect="auto")
+            for y, line in enumerate(values):
+                for x, value in enumerate(line):
+                    if not math.isnan(value):
+                        ax.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize=7)
+            ax.set_title(f"{pass_name}, {dtype}, {rotary}", fontsize=9)
+            ax.set_xticks(range(len(ratios)), [f"{g}:1" for g in ratios])
+            ax.set_yticks(range(len(shapes)), [f"BS {bs}, D {d}" for bs, d in shapes] if j == 0 else [])
+    fig.colorbar(image, ax=axes, label="time / memory floor", shrink=0.6)
+    env = report["environment"]
+    fig.suptitle(f"blockattn configuration sweep, {env['device']}, {env['date'][:10]}")
+    return fig
+
+
+def write_files(report: dict, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "sweep.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    if not report["results"]:
+        return [json_path]
+    import matplotlib.pyplot as plt
+
+    png_path = out_dir / "sweep.png"
+    fig = heatmap(report)
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return [json_path, png_path]
