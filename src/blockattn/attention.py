@@ -48,6 +48,11 @@ def block_attention(
     time_bias: torch.Tensor | None = None,
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH,
     dropout_p: float = 0.0,
+    out_dtype: torch.dtype | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-diagonal attention on jagged sequences, optionally with a fused rotary embedding and what
     recommendation models put inside a block (a causal mask, relative position and time biases, dropout).
@@ -86,6 +91,12 @@ def block_attention(
             ``torch.manual_seed``, a new mask at each call and each CUDA-graph replay, the backward using the
             forward's mask (recomputed, never stored). In ``[0, 1)``; 0 is exactly the op without dropout. Pass
             ``0.0`` in evaluation (this function does not know about ``module.eval()``).
+        out_dtype, q_descale, k_descale, v_descale, out_scale: float8 inference. With ``float8_e4m3fn`` q, k, v,
+            the three descales are required (1-element float32 tensors on the inputs' device, read on the device:
+            the result is that of the dequantised inputs ``q * q_descale`` etc.); ``out_dtype`` is bfloat16 by
+            default, or float16, float32 or float8_e4m3fn, which needs ``out_scale`` (the output is the fp8 tensor
+            times it; values beyond e4m3's range saturate). Forward only (no input may require grad), no fused
+            rotary. The kernels widen the fp8 inputs to fp16 in registers: 16-bit products on half the bytes.
 
     Biases are added to the scaled scores before the softmax; under ``causal`` masked pairs get neither bias nor
     gradient. The biases' gradients are deterministic (per-block partial sums, added in a fixed order).
@@ -118,10 +129,14 @@ def block_attention(
     sinu_pos, rotate = checks.rotary_args(sinu_pos, rotate, q, offsets)
     timestamps = checks.in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q, offsets,
                                  block_size)
+    if q.dtype == checks.FP8_DTYPE and out_dtype is None:
+        out_dtype = torch.bfloat16
+    checks.fp8_inference(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out_scale, sinu_pos)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out = custom_ops.block_attention(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias,
                                      timestamps, time_bias, float(time_bucket_width), float(dropout_p),
-                                     _dropout_seed(dropout_p, q.device), *_table_args(table))
+                                     _dropout_seed(dropout_p, q.device), *_table_args(table), q_descale, k_descale,
+                                     v_descale, out_scale, out_dtype)
     if nested:
         return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)

@@ -8,7 +8,8 @@ kernels do not serve (a GPU older than Ampere, say) still runs, in PyTorch.
 
 Launchers:
 
-- ``forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options) -> out``
+- ``forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, fp8_scales) -> out``
+  (``fp8_scales``: ``ops.fp8.Fp8Scales`` of float8 inputs, or None)
 - ``backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, grads)
   -> (dpos_bias, dtime_bias)``: writes ``(dq, dk, dv)`` into ``grads`` (new tensors, or views of one packed buffer)
   and returns the gradients of the in-block biases (``ops.in_block.InBlock``; None where absent).
@@ -80,8 +81,11 @@ def tma_readable(t: torch.Tensor) -> bool:
 def _triton_why_not(call: AttentionCall) -> str | None:
     if reason := devices.kernels_reason(call.device):
         return reason
-    if call.dtype not in KERNEL_DTYPES:
-        return f"takes float16, bfloat16 and float32, not {call.dtype}"
+    if call.dtype == FP8_DTYPE:
+        if call.pass_name != "fwd" or call.rotate:
+            return "takes float8_e4m3fn in the forward without a fused rotary only"
+    elif call.dtype not in KERNEL_DTYPES:
+        return f"takes float16, bfloat16, float32 and (forward) float8_e4m3fn, not {call.dtype}"
     if not (MIN_HEAD_DIM <= call.head_dim <= MAX_HEAD_DIM and call.head_dim % 8 == 0):
         return f"takes head dims that are multiples of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], not {call.head_dim}"
     if call.block_size not in BLOCK_SIZES:

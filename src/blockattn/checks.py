@@ -50,12 +50,13 @@ def tensor(name: str, t, optional: bool = False) -> None:
         raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(t).__name__}")
 
 
-def float_tensor(name: str, t, ndim: int, layout: str) -> None:
-    """``t`` a tensor of ``ndim`` dimensions (``layout`` names them) in a dtype its device computes in."""
+def float_tensor(name: str, t, ndim: int, layout: str, also: tuple[torch.dtype, ...] = ()) -> None:
+    """``t`` a tensor of ``ndim`` dimensions (``layout`` names them) in a dtype its device computes in (or one of
+    ``also``)."""
     tensor(name, t)
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
-    dtypes = KERNEL_DTYPES + ((torch.float64,) if t.device.type in FLOAT64_DEVICES else ())
+    dtypes = KERNEL_DTYPES + ((torch.float64,) if t.device.type in FLOAT64_DEVICES else ()) + also
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must be {_dtype_names(dtypes)} on {t.device.type}, got {t.dtype}")
 
@@ -97,7 +98,7 @@ def offsets(value, like: torch.Tensor | None = None, like_name: str = "", name: 
 def attention(q, k, v, offsets_, block, scale) -> None:
     """``q [N, Hq, D]``, ``k, v [N, Hkv, D]``, ``offsets [B + 1]`` and the options of block attention."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        float_tensor(name, t, 3, "[N, heads, head_dim]")
+        float_tensor(name, t, 3, "[N, heads, head_dim]", also=(FP8_DTYPE,))
     offsets(offsets_)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
@@ -120,6 +121,37 @@ def attention(q, k, v, offsets_, block, scale) -> None:
     head_dim(d)
     block_size(block)
     finite_positive("scale", scale, optional=True)
+
+
+# Outputs of the float8 forward.
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
+
+
+def fp8_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple, out_dtype,
+                  out_scale, sinu_pos_) -> None:
+    """float8 inputs of block attention (forward only, no fused rotary), their descales and the output's dtype
+    and scale; for other inputs, that none of these is given."""
+    _descales(q.dtype, q.device, descales)
+    if q.dtype != FP8_DTYPE:
+        given = [name for name, value in (("out_dtype", out_dtype), ("out_scale", out_scale)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to float8_e4m3fn inputs only; q, k, v are {q.dtype}")
+        return
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be {_dtype_names(FP8_OUT_DTYPES)} for float8 inputs, got {out_dtype}")
+    if (out_dtype == FP8_DTYPE) != (out_scale is not None):
+        raise ValueError("out_scale is required with out_dtype=torch.float8_e4m3fn (a 1-element float32 tensor: the "
+                         "output is the fp8 tensor times it) and applies to it only")
+    if out_scale is not None:
+        tensor("out_scale", out_scale)
+        if out_scale.numel() != 1 or out_scale.dtype != torch.float32 or out_scale.device != q.device:
+            raise ValueError(f"out_scale must be a 1-element float32 tensor on the device of q ({q.device}), got "
+                             f"{_describe(out_scale)}")
+    if sinu_pos_ is not None:
+        raise ValueError("float8_e4m3fn inputs take no sinu_pos (the fused rotary is not implemented for fp8)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("the float8 forward is for inference: q, k, v must not require grad (call it under "
+                         "torch.no_grad() or detach them)")
 
 
 def sinu_pos(angles, x: torch.Tensor, x_name: str) -> None:

@@ -28,6 +28,7 @@ from .block_table import BlockTable, build_block_table, check_offsets, empty_blo
 from .devices import kernels_run_on
 from .ops import tiles
 from .ops.block_attention_torch import rotary_torch
+from .ops.fp8 import Fp8Scales
 from .ops.in_block import DEFAULT_BUCKET_WIDTH, InBlock
 from .ops.rotary import rotary_triton
 from .ops.tiles import ROTATE_NONE
@@ -73,7 +74,8 @@ def _rotate_mask(sinu_pos, rotate: int) -> int:
     return rotate if sinu_pos is not None else ROTATE_NONE
 
 
-def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InBlock, block_cum, block_seq):
+def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InBlock, block_cum, block_seq,
+             fp8_scales: Fp8Scales | None = None):
     """``(out, *table)``: the block table (built here unless a layout's is given: then two 0-element tensors stand
     for it, since an op's output may not be its input), then the forward by the backend the dispatcher picks."""
     rotate = _rotate_mask(sinu_pos, rotate)
@@ -84,7 +86,8 @@ def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InB
     else:
         table = BlockTable(block_cum, block_seq)
         returned = _no_table(offsets)
-    return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options), *returned
+    return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options,
+                           fp8_scales), *returned
 
 
 def _no_table(offsets: torch.Tensor) -> BlockTable:
@@ -162,11 +165,15 @@ def _block_attention_fwd(
     timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
     block_cum: torch.Tensor | None = None, block_seq: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None, out_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``block_table.BlockTable``) it
-    built, or 0-element tensors where a layout's table was passed in (``block_cum``, ``block_seq``)."""
+    built, or 0-element tensors where a layout's table was passed in (``block_cum``, ``block_seq``). float8 inputs
+    come with their descales and the output's dtype (and scale, for an fp8 output): ``ops.fp8``."""
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
-    return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options, block_cum, block_seq)
+    scales = None if q_descale is None else Fp8Scales(q_descale, k_descale, v_descale, out_dtype, out_scale)
+    return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options, block_cum, block_seq, scales)
 
 
 block_attention_fwd = torch.library.custom_op("blockattn::block_attention_fwd", _block_attention_fwd, mutates_args=())
@@ -175,8 +182,9 @@ block_attention_fwd = torch.library.custom_op("blockattn::block_attention_fwd", 
 @block_attention_fwd.register_fake
 def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_bias=None, timestamps=None,
       time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None, block_cum=None,
-      block_seq=None):
-    return torch.empty_like(q), *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum)
+      block_seq=None, q_descale=None, k_descale=None, v_descale=None, out_scale=None, out_dtype=None):
+    return (torch.empty_like(q, dtype=out_dtype or q.dtype),
+            *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum))
 
 
 def _block_attention_bwd(
@@ -206,7 +214,7 @@ def _(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, sc
 def _save_for_backward(ctx, inputs: tuple, table: tuple) -> None:
     """Both routes (:func:`block_attention`): what the backward reads. ``inputs`` as the forward op takes them."""
     (q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias, width, p, seed,
-     *layout_table) = inputs
+     *layout_table) = inputs[:17]
     block_cum, block_seq = _saved_table(layout_table, table)
     ctx.save_for_backward(q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed)
     ctx.block_size, ctx.scale, ctx.rotate = block_size, scale, rotate
@@ -220,7 +228,9 @@ def _input_grads(ctx, grad_out, backward) -> tuple:
     options = (causal, pos_bias, timestamps, time_bias, width, p, seed)
     dq, dk, dv, *bias_grads = backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, ctx.block_size,
                                        ctx.scale, ctx.rotate, *options)
-    return dq, dk, dv, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None
+    # fp8 inputs take no gradient (the public function refuses them then): their five arguments get none.
+    return (dq, dk, dv, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None, None, None,
+            None, None, None)
 
 
 _EagerBlockAttention = _register_autograd("EagerBlockAttention", block_attention_fwd, block_attention_bwd,

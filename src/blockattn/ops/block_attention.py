@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..block_table import BlockTable
-from . import in_block, tiles
+from . import fp8, in_block, tiles
 from .in_block import InBlock, block_probs, block_probs_and_grads
 from .launch import launch
 from .rotary import (
@@ -66,6 +66,9 @@ from .tiles import (
     tile_mask,
     tile_ptrs,
 )
+
+# Kernels read globals only as constexprs.
+_FP8_MAX = tl.constexpr(fp8.FP8_MAX)
 
 
 @functools.cache  # read-only: one mapping per shape, computed once (launches are host-bound on small batches)
@@ -136,6 +139,14 @@ def _store_unrotated(base, rows, pair0, stride_n, even, odd, mask, sin, cos, ON:
 
 
 @triton.jit
+def _widened(tile, FP8: tl.constexpr):
+    """An fp8 tile as fp16 (exact), for 16-bit tensor-core products; other tiles as they are."""
+    if FP8:
+        tile = tile.to(tl.float16)
+    return tile
+
+
+@triton.jit
 def _pair_dot(a_even, a_odd, b_even, b_odd, acc, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b^T`` over the head dim, from the pair halves of ``a`` and ``b``."""
     acc = tl.dot(a_even, tl.trans(b_even), acc, input_precision=DOT_PRECISION)
@@ -189,13 +200,15 @@ def _block_attention_fwd_kernel(
     stride_sn, stride_sd,
     pos_bias_ptr, stride_pbh, stride_pbw, timestamps_ptr, stride_ts, time_bias_ptr, stride_tbh, stride_tbb,
     edges_ptr, num_buckets, bucket_scale, seed_ptr, keep_threshold, keep_scale,
+    q_descale_ptr, k_descale_ptr, v_descale_ptr, out_scale_ptr,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr,
+    ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr,
 ):
     # Heads vary fastest so that the programs of one block (which share its rows, and k/v under GQA) run together.
     # ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the operands turned by the rotary angles right after their load;
     # IN_BLOCK one of the in-block options (ops.in_block: causal, biases, dropout), whose arguments are ``mods``.
+    # FP8: q, k, v are float8_e4m3fn, widened to fp16 after loading and descaled (ops.fp8); not with ROTATE.
     pid = tl.program_id(0)
     slot = pid // NUM_Q_HEADS
     head = pid % NUM_Q_HEADS
@@ -221,16 +234,31 @@ def _block_attention_fwd_kernel(
     scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
-        q = tl.load(tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0)
-        k = tl.load(tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0)
+        q = _widened(tl.load(tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0),
+                     FP8)
+        k = _widened(tl.load(tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0),
+                     FP8)
         scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
+    if FP8:
+        qk_scale_log2 = qk_scale_log2 * tl.load(q_descale_ptr) * tl.load(k_descale_ptr)
+        out_factor = tl.load(v_descale_ptr)
+        if o_ptr.dtype.element_ty == tl.float8e4nv:
+            out_factor = out_factor / tl.load(out_scale_ptr)
     p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK)
-    p = p.to(q_ptr.dtype.element_ty)
+    if FP8:
+        p = p.to(tl.float16)
+    else:
+        p = p.to(q_ptr.dtype.element_ty)
 
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
-        v = tl.load(tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0)
+        v = _widened(tl.load(tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0),
+                     FP8)
         o = tl.dot(p, v, input_precision=DOT_PRECISION)
+        if FP8:
+            o = o * out_factor
+            if o_ptr.dtype.element_ty == tl.float8e4nv:
+                o = tl.minimum(tl.maximum(o, -_FP8_MAX), _FP8_MAX)  # saturate: e4m3fn has no inf
         store_tile(o_base, rows, c * CHUNK, stride_on, stride_od, o, mask, CHUNK)
 
 
@@ -548,18 +576,20 @@ def block_attention_fwd_triton(
     sinu_pos: torch.Tensor | None,
     rotate: int,
     options: InBlock = in_block.PLAIN,
+    fp8_scales: fp8.Fp8Scales | None = None,
     *,
     num_warps: int | None = None,
     maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Launch the forward kernel over ``table``; returns ``out``. Arguments are those the dispatcher passes
     (``backends``), checked; ``rotate`` is a mask of ``tiles.ROTATE_BITS`` (0 without ``sinu_pos``): those operands
-    are turned by ``sinu_pos`` after loading; ``options`` the in-block options. ``num_warps`` and ``maxnreg`` (a
-    register cap) override the tuned launch, for tuning sweeps."""
+    are turned by ``sinu_pos`` after loading; ``options`` the in-block options; ``fp8_scales`` those of fp8 inputs
+    (``ops.fp8``; not with a rotary). ``num_warps`` and ``maxnreg`` (a register cap) override the tuned launch, for
+    tuning sweeps."""
     n, hq, d = q.shape
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))
-    out = tiles.new_output(q)
+    out = tiles.new_output(q, dtype=None if fp8_scales is None else fp8_scales.out_dtype)
     if table.num_slots == 0:
         return out
     cfg = kernel_config(block_size, d, backward=False, rotary=bool(rotate))
@@ -570,6 +600,7 @@ def block_attention_fwd_triton(
         num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
         stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q),
+        **(fp8.no_scales_args(q) if fp8_scales is None else fp8_scales.kernel_args()), FP8=fp8_scales is not None,
         NUM_Q_HEADS=hq, GROUP=hq // k.shape[1], BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..block_table import BlockTable, block_rows
+from . import fp8
 from .in_block import InBlock, abs_time_deltas, bucket_edges, dropout_keep, time_buckets
 from .tiles import ROTATE_BITS
 
@@ -118,11 +119,15 @@ def _relative_positions(block_size: int, device: torch.device) -> torch.Tensor:
 
 
 def block_attention_fwd_torch(q, k, v, offsets, table: BlockTable, block_size: int, scale: float,
-                              sinu_pos: torch.Tensor | None, rotate: int, options: InBlock) -> torch.Tensor:
-    """``out [N, Hq, D]`` in ``q``'s dtype."""
+                              sinu_pos: torch.Tensor | None, rotate: int, options: InBlock,
+                              fp8_scales: fp8.Fp8Scales | None = None) -> torch.Tensor:
+    """``out [N, Hq, D]`` in ``q``'s dtype; fp8 inputs (``fp8_scales``) dequantised, the output in its dtype."""
     n, dtype = q.shape[0], q.dtype
+    if fp8_scales is not None:
+        q, k, v = (fp8.dequantized(t, s) for t, s in zip((q, k, v), fp8_scales[:3]))
     blocks = _Blocks(*_turned_inputs(q, k, v, sinu_pos, rotate), offsets, table, block_size, scale, options)
-    return blocks.scatter(blocks.dropped(blocks.p) @ blocks.v, n).to(dtype)
+    out = blocks.scatter(blocks.dropped(blocks.p) @ blocks.v, n)
+    return out.to(dtype) if fp8_scales is None else fp8.output(out, fp8_scales)
 
 
 def block_attention_bwd_torch(grad_out, q, k, v, offsets, table: BlockTable, block_size: int, scale: float,

@@ -1,0 +1,51 @@
+"""fp8 inputs of the block-attention forward (inference): ``float8_e4m3fn`` q, k, v with float32 descales, and the
+output's dtype (bf16, fp16, fp32, or fp8 with its own scale). docs/semantics.md, "fp8 inference".
+
+The kernels read the fp8 bytes and widen them to fp16 in registers (exact: every e4m3 value is an fp16 value), so
+both products run on 16-bit tensor cores with fp32 accumulation and the probabilities stay fp16: the kernel moves
+half the bytes of a 16-bit one and stays memory-bound, at 16-bit accuracy on the dequantised inputs. The descales
+are read on the device (never on the host): the scores are scaled by ``q_descale * k_descale`` before the softmax,
+the output by ``v_descale``, and an fp8 output by ``1 / out_scale`` then saturated to e4m3's range.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+# The largest finite e4m3fn value: fp8 outputs saturate to it rather than overflow to NaN.
+FP8_MAX = 448.0
+
+
+class Fp8Scales(NamedTuple):
+    """The dequantisation of fp8 inputs (``q = q8 * q_descale``, ...; 1-element float32 tensors on the device) and
+    the output: ``out_dtype``, with ``out_scale`` for an fp8 output (``out = out8 * out_scale``)."""
+
+    q_descale: torch.Tensor
+    k_descale: torch.Tensor
+    v_descale: torch.Tensor
+    out_dtype: torch.dtype
+    out_scale: torch.Tensor | None = None
+
+    def kernel_args(self) -> dict:
+        return {"q_descale_ptr": self.q_descale, "k_descale_ptr": self.k_descale, "v_descale_ptr": self.v_descale,
+                "out_scale_ptr": self.out_scale if self.out_scale is not None else self.v_descale}
+
+
+def no_scales_args(like: torch.Tensor) -> dict:
+    """The kernels' fp8 arguments for 16- and 32-bit inputs: stand-ins, never read."""
+    return dict.fromkeys(("q_descale_ptr", "k_descale_ptr", "v_descale_ptr", "out_scale_ptr"), like)
+
+
+def dequantized(t: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """``t * descale`` in float32 (the PyTorch path's and the tests' view of an fp8 input)."""
+    return t.float() * descale
+
+
+def output(out: torch.Tensor, scales: Fp8Scales) -> torch.Tensor:
+    """A float32 result in ``scales.out_dtype``: divided by ``out_scale`` and saturated for fp8."""
+    if scales.out_dtype == FP8_DTYPE:
+        return (out / scales.out_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return out.to(scales.out_dtype)

@@ -1,0 +1,165 @@
+"""float8 inference (``block_attention`` with ``float8_e4m3fn`` q, k, v): the kernels (Triton's interpreter on CPU,
+the real ones on a GPU) and the PyTorch path against the float64 reference on the dequantised inputs, by SNR."""
+
+import pytest
+import torch
+from conftest import HAS_GPU, KERNEL_DEVICE, make_offsets, odd_lengths, requires_gpu
+
+import blockattn
+from blockattn.block_table import build_block_table
+from blockattn.ops import block_attention as triton_ops
+from blockattn.ops import fp8
+from blockattn.ops.in_block import PLAIN
+from blockattn.reference import block_attention_reference, snr_db
+
+FP8 = torch.float8_e4m3fn
+# SNR bounds against the reference on the dequantised inputs (dB): the products are 16-bit with fp32 accumulation,
+# so the output's own rounding dominates. Triton's interpreter truncates where the GPU rounds to nearest: looser
+# bounds there.
+MIN_SNR_DB = {torch.bfloat16: 45.0, torch.float16: 60.0, torch.float32: 60.0, FP8: 28.0 if HAS_GPU else 20.0}
+
+
+def quantized_inputs(lengths, hq, hkv, d, device):
+    """fp8 q, k, v (random, each scaled into e4m3's range by its own descale), the descales, and the dequantised
+    inputs in float64."""
+    n = sum(lengths)
+    scales = [torch.tensor([s], device=device) for s in (0.02, 0.015, 0.03)]
+    tensors = [(torch.randn(n, h, d, device=device) / s).to(FP8) for h, s in zip((hq, hkv, hkv), scales)]
+    exact = [t.double() * s.double() for t, s in zip(tensors, scales)]
+    return tensors, scales, exact
+
+
+def out_scale_for(out_dtype, device):
+    return torch.tensor([0.01], device=device) if out_dtype == FP8 else None
+
+
+def as_float64(out, out_scale):
+    return out.double() * (out_scale.double() if out_scale is not None else 1.0)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32, FP8])
+@pytest.mark.parametrize("block_size", [16, 64] + ([32, 128] if HAS_GPU else []))
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1)])
+def test_kernel_matches_dequantised_reference(out_dtype, block_size, hq, hkv):
+    lengths = odd_lengths(block_size)
+    offsets = make_offsets(lengths, KERNEL_DEVICE)
+    (q, k, v), scales, exact = quantized_inputs(lengths, hq, hkv, 32, KERNEL_DEVICE)
+    out_scale = out_scale_for(out_dtype, KERNEL_DEVICE)
+    table = build_block_table(offsets, q.shape[0], block_size)
+    out = triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, block_size, 32**-0.5, None, 0, PLAIN,
+                                                fp8.Fp8Scales(*scales, out_dtype, out_scale))
+    assert out.dtype == out_dtype and out.shape == q.shape
+    ref = block_attention_reference(*exact, offsets, block_size=block_size)
+    assert snr_db(as_float64(out, out_scale), ref) > MIN_SNR_DB[out_dtype]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, FP8])
+def test_public_op_with_options_and_the_pytorch_path(out_dtype):
+    """Through ``block_attention`` (the kernels where they run, and the PyTorch path on the CPU), with a causal mask
+    and a position bias; the PyTorch path within the bound too."""
+    lengths = odd_lengths(32) + [100]
+    hq = 2
+    options = {"causal": True, "pos_bias": torch.randn(hq, 63)}
+    for device in dict.fromkeys(("cpu", KERNEL_DEVICE)):
+        offsets = make_offsets(lengths, device)
+        (q, k, v), scales, exact = quantized_inputs(lengths, hq, hq, 32, device)
+        out_scale = out_scale_for(out_dtype, device)
+        kwargs = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in options.items()}
+        out = blockattn.block_attention(q, k, v, offsets, block_size=32, q_descale=scales[0], k_descale=scales[1],
+                                        v_descale=scales[2], out_dtype=out_dtype, out_scale=out_scale, **kwargs)
+        ref = block_attention_reference(*exact, offsets.cpu(), block_size=32, causal=True,
+                                        pos_bias=options["pos_bias"].double())
+        assert out.dtype == out_dtype
+        assert snr_db(as_float64(out, out_scale).cpu(), ref) > MIN_SNR_DB[out_dtype]
+
+
+def test_default_output_is_bfloat16_and_fp8_saturates():
+    lengths = [40]
+    offsets = make_offsets(lengths)
+    (q, k, v), scales, _ = quantized_inputs(lengths, 1, 1, 16, "cpu")
+    assert blockattn.block_attention(q, k, v, offsets, block_size=16, q_descale=scales[0], k_descale=scales[1],
+                                     v_descale=scales[2]).dtype == torch.bfloat16
+    tiny = torch.tensor([1e-6])  # every output far beyond e4m3's range: saturated, never NaN
+    out = blockattn.block_attention(q, k, v, offsets, block_size=16, q_descale=scales[0], k_descale=scales[1],
+                                    v_descale=scales[2], out_dtype=FP8, out_scale=tiny)
+    assert not out.float().isnan().any() and out.float().abs().max() == fp8.FP8_MAX
+
+
+def test_fakes_and_compile():
+    """Meta tensors and torch.compile see the output dtype."""
+    with torch.device("meta"):
+        q = torch.empty(50, 2, 16, dtype=FP8)
+        scales = [torch.ones(1) for _ in range(3)]
+        out = blockattn.block_attention(q, q, q, torch.tensor([0, 50]), block_size=16, q_descale=scales[0],
+                                        k_descale=scales[1], v_descale=scales[2], out_dtype=torch.float16)
+    assert out.device.type == "meta" and out.dtype == torch.float16
+    lengths = [9, 40]
+    offsets = make_offsets(lengths)
+    (q, k, v), scales, _ = quantized_inputs(lengths, 2, 2, 16, "cpu")
+
+    def run(q, k, v):
+        return blockattn.block_attention(q, k, v, offsets, block_size=16, q_descale=scales[0], k_descale=scales[1],
+                                         v_descale=scales[2])
+
+    compiled = torch.compile(run, fullgraph=True)
+    assert torch.equal(compiled(q, k, v), run(q, k, v))
+
+
+def _call(**overrides):
+    lengths = [20]
+    offsets = make_offsets(lengths)
+    (q, k, v), scales, _ = quantized_inputs(lengths, 2, 2, 16, "cpu")
+    kwargs = {"q_descale": scales[0], "k_descale": scales[1], "v_descale": scales[2], **overrides}
+    tensors = {"q": q, "k": k, "v": v}
+    for name in ("q", "k", "v"):
+        if name in kwargs:
+            tensors[name] = kwargs.pop(name)
+    return blockattn.block_attention(*tensors.values(), offsets, block_size=16, **kwargs)
+
+
+@pytest.mark.parametrize("overrides,error,message", [
+    ({"k_descale": None}, ValueError, "k_descale is required with float8_e4m3fn inputs"),
+    ({"q_descale": torch.ones(2)}, ValueError, "q_descale must be a 1-element float32 tensor"),
+    ({"v_descale": torch.ones(1, dtype=torch.float64)}, ValueError, "v_descale must be a 1-element float32"),
+    ({"out_dtype": torch.int8}, ValueError, "out_dtype must be bfloat16, float16, float32 or float8_e4m3fn"),
+    ({"out_dtype": FP8}, ValueError, "out_scale is required with out_dtype=torch.float8_e4m3fn"),
+    ({"out_scale": torch.ones(1)}, ValueError, "out_scale is required with out_dtype=torch.float8_e4m3fn"),
+    ({"out_dtype": FP8, "out_scale": torch.ones(3)}, ValueError, "out_scale must be a 1-element float32 tensor"),
+    ({"sinu_pos": torch.zeros(20, 16)}, ValueError, "float8_e4m3fn inputs take no sinu_pos"),
+    ({"q": torch.zeros(20, 2, 16)}, TypeError, "q, k and v must share a dtype"),
+])
+def test_validation(overrides, error, message):
+    with pytest.raises(error, match=message):
+        _call(**overrides)
+
+
+def test_validation_non_fp8_inputs_and_gradients():
+    lengths = [20]
+    offsets = make_offsets(lengths)
+    q = torch.randn(20, 2, 16)
+    with pytest.raises(ValueError, match="q_descale apply to float8_e4m3fn inputs only"):
+        blockattn.block_attention(q, q, q, offsets, block_size=16, q_descale=torch.ones(1))
+    with pytest.raises(ValueError, match="out_dtype apply to float8_e4m3fn inputs only"):
+        blockattn.block_attention(q, q, q, offsets, block_size=16, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="the float8 forward is for inference"):
+        _call(q=torch.zeros(20, 2, 16).to(FP8).requires_grad_())
+
+
+@requires_gpu
+def test_gpu_compile_and_cuda_graph():
+    from conftest import capture_cuda_graph
+
+    lengths = odd_lengths(64) + [300]
+    offsets = make_offsets(lengths, "cuda")
+    (q, k, v), scales, exact = quantized_inputs(lengths, 4, 2, 128, "cuda")
+
+    def run():
+        return blockattn.block_attention(q, k, v, offsets, q_descale=scales[0], k_descale=scales[1],
+                                         v_descale=scales[2])
+
+    eager = run()
+    assert torch.equal(torch.compile(run, fullgraph=True)(), eager)
+    graph, result = capture_cuda_graph(run)
+    graph.replay()
+    assert torch.equal(result, eager)
+    assert snr_db(eager.double().cpu(), block_attention_reference(*(t.cpu() for t in exact), offsets.cpu())) > 45
