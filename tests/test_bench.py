@@ -86,6 +86,7 @@ def test_cli_custom_workload():
     (["--sweep", "--preset", "ads"], "--sweep times its own grid"),
     (["--sweep", "--heads", "4", "--rotary"], "it takes no --heads, --rotary"),
     (["--sweep", "--block-size", "48"], "argument --block-size: invalid choice: 48"),
+    (["--preset", "ads", "--dtype", "float8_e4m3fn"], "--dtype float8_e4m3fn applies to --sweep only"),
     (["--options", "--rotary"], "--options times its own baselines on the plain op; it takes no --rotary"),
     (["--options", "--preset", "ads", "short"], "--options times one workload, got 2"),
 ])
@@ -520,7 +521,8 @@ def test_sweep_without_gpu_says_so(capsys, tmp_path):
 
 def test_sweep_grid_and_its_restrictions():
     full = sweep.grid()
-    assert len(full) == len(set(full)) == 4 * 4 * 4 * 2 * 3
+    assert len(full) == len(set(full)) == 4 * 4 * 4 * (2 * 3 + 1)  # fp8: no rotary
+    assert all(c.rotary == "none" and c.passes == ("fwd",) for c in full if c.dtype == sweep.FP8)
     some = sweep.grid(block_sizes=(64,), dtypes=("float16",))
     assert {c.block_size for c in some} == {64} and {c.dtype for c in some} == {"float16"} and len(some) == 48
 
@@ -543,6 +545,12 @@ def test_sweep_on_the_cpu(fake_gpu, tmp_path):
             assert same[pass_name]["floor_ms"] * 3.0e9 == pytest.approx(floor_bytes + n * 32 * 2)
             assert none[pass_name]["x_floor"] == pytest.approx(1.0 / none[pass_name]["floor_ms"])
     assert rows[(2, "none")]["fwd"]["floor_ms"] < rows[(8, "none")]["fwd"]["floor_ms"]  # GQA reads fewer k, v
+    fp8_report = sweep.run(sweep.grid(block_sizes=(16,), head_dims=(32,), kv_heads=(2,), dtypes=(sweep.FP8,)),
+                           rep_ms=1, query_elements=sweep.NUM_HEADS * 32 * 1000, device="cpu")
+    (fp8_row,) = fp8_report["results"]
+    assert "bwd" not in fp8_row  # fp8: q, k, v one byte per element, the bf16 output two
+    assert fp8_row["fwd"]["floor_ms"] * 3.0e9 == pytest.approx((8 + 2 * 2 + 2 * 8) * fp8_row["tokens"] * 32)
+    report["results"].append(fp8_row)
     paths = sweep.write_files(report, tmp_path)
     assert json.loads(paths[0].read_text())["results"] == report["results"]
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -681,8 +689,8 @@ def test_small_gpu_latency_run(tmp_path):
 
 @requires_gpu
 def test_small_gpu_sweep_run(tmp_path):
-    configs = sweep.grid(block_sizes=(32,), head_dims=(64,), kv_heads=(8, 2), dtypes=("bfloat16",))
+    configs = sweep.grid(block_sizes=(32,), head_dims=(64,), kv_heads=(8, 2), dtypes=("bfloat16", sweep.FP8))
     report = sweep.run(configs, rep_ms=5, query_elements=2**20)
     assert not report["failed"] and len(report["results"]) == len(configs)
-    assert all(0.3 < r[p]["x_floor"] < 50 for r in report["results"] for p in sweep.PASSES)
+    assert all(0.3 < r[p]["x_floor"] < 50 for r in report["results"] for p in sweep.PASSES if p in r)
     assert [p.name for p in sweep.write_files(report, tmp_path)] == ["sweep.json", "sweep.png"]

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help='workloads to time, from docs/semantics.md, "Workloads" (default: ads; with custom '
                             "shape flags: none)")
     bench.add_argument("--pass", dest="passes", choices=sorted(PASS_CHOICES), default="all")
-    bench.add_argument("--dtype", choices=["bfloat16", "float16"], default=None, help="override the dtype")
+    bench.add_argument("--dtype", choices=["bfloat16", "float16", "float8_e4m3fn"], default=None,
+                       help="override the dtype (float8_e4m3fn: --sweep only, its forward)")
     bench.add_argument("--seqs", type=at_least(1), help="custom workload: number of sequences")
     bench.add_argument("--max-len", type=at_least(2), help="custom workload: longest sequence")
     bench.add_argument("--sparsity", type=sparsity,
@@ -466,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             args.usage_error(f"--sweep times its own grid (restricted by --block-size, --head-dim, --kv-heads, "
                              f"--dtype); it takes no {', '.join(given)}")
         return bench(args, [])
+    if args.dtype == "float8_e4m3fn":
+        args.usage_error("--dtype float8_e4m3fn applies to --sweep only (the fp8 forward's configurations)")
     workloads = workloads_from_args(args)
     if args.options:
         if args.rotary or args.baselines is not None:

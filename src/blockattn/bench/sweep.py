@@ -32,7 +32,8 @@ BLOCK_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (32, 64, 128, 256)
 NUM_HEADS = 8
 KV_HEADS = (8, 4, 2, 1)  # GQA ratios 1, 2, 4 and 8 (MQA)
-DTYPES = ("bfloat16", "float16")
+FP8 = "float8_e4m3fn"  # forward only (inference), no rotary, bf16 output
+DTYPES = ("bfloat16", "float16", FP8)
 ROTARY = ("none", "fp32 angles", "input angles")
 PASSES = ("fwd", "bwd")
 QUERY_ELEMENTS = 2**27
@@ -47,15 +48,36 @@ class Config:
     dtype: str
     rotary: str
 
+    @property
+    def passes(self) -> tuple[str, ...]:
+        return ("fwd",) if self.dtype == FP8 else PASSES
+
     def workload(self, query_elements: int) -> Workload:
+        """The batch, in bf16 for fp8 (its inputs are quantised from it)."""
         num_seqs = max(1, query_elements // (NUM_HEADS * self.head_dim * MEAN_LENGTH))
         return Workload("sweep", num_seqs, 800, 2000, NUM_HEADS, self.kv_heads, self.head_dim, self.block_size,
-                        self.dtype)
+                        "bfloat16" if self.dtype == FP8 else self.dtype)
 
 
 def grid(block_sizes=BLOCK_SIZES, head_dims=HEAD_DIMS, kv_heads=KV_HEADS, dtypes=DTYPES,
          rotary=ROTARY) -> list[Config]:
-    return [Config(*values) for values in itertools.product(block_sizes, head_dims, kv_heads, dtypes, rotary)]
+    """The configurations of the axes' values; fp8 without a rotary only (the fp8 forward has none)."""
+    return [Config(*values) for values in itertools.product(block_sizes, head_dims, kv_heads, dtypes, rotary)
+            if values[3] != FP8 or values[4] == "none"]
+
+
+def _fp8_forward(case, w: Workload, n: int, tbps: float):
+    """The fp8 forward of ``case``'s inputs (quantised per tensor, bf16 output) and its floor: q, k, v read as one
+    byte per element, the bf16 output written."""
+    scales = [t.abs().amax().float().reshape(1) / 448.0 for t in case.inputs]
+    q8, k8, v8 = ((t / s).to(torch.float8_e4m3fn) for t, s in zip(case.inputs, scales))
+    per_head = n * w.head_dim
+
+    def forward():
+        return blockattn.block_attention(q8, k8, v8, case.offsets, block_size=case.block_size, scale=case.scale,
+                                         q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
+
+    return forward, (w.heads + 2 * w.kv_heads + 2 * w.heads) * per_head / (tbps * 1e12) * 1e3
 
 
 def _angles(config: Config, num_tokens: int, device, generator) -> torch.Tensor | None:
@@ -84,8 +106,10 @@ def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed
             grad_out=case.do, q=case.q, k=case.k, v=case.v, offsets=case.offsets, sinu_pos=sinu_pos,
             **case.table._asdict(), block_size=case.block_size, scale=case.scale, rotate=rotate)
 
+    if config.dtype == FP8:
+        forward, floors["fwd"] = _fp8_forward(case, w, n, tbps)
     row = {**asdict(config), "tokens": n, "gqa": NUM_HEADS // config.kv_heads}
-    for pass_name, fn in zip(PASSES, (forward, backward)):
+    for pass_name, fn in zip(config.passes, (forward, backward)):
         ms = harness.time_ms(fn, rep_ms)
         row[pass_name] = {"ms": ms["p50"], "quantiles_ms": ms, "floor_ms": floors[pass_name],
                           "x_floor": ms["p50"] / floors[pass_name]}
@@ -124,9 +148,9 @@ def print_report(report: dict, console) -> None:
     for col in ("BS", "D", "Hq:Hkv", "dtype", "rotary", "tokens", "fwd ms", "fwd x floor", "bwd ms", "bwd x floor"):
         table.add_column(col)
     for r in report["results"]:
+        passes = [(f"{r[p]['ms']:.3f}", f"{r[p]['x_floor']:.2f}") if p in r else ("-", "-") for p in PASSES]
         table.add_row(str(r["block_size"]), str(r["head_dim"]), f"{report['num_heads']}:{r['kv_heads']}", r["dtype"],
-                      r["rotary"], str(r["tokens"]), f"{r['fwd']['ms']:.3f}", f"{r['fwd']['x_floor']:.2f}",
-                      f"{r['bwd']['ms']:.3f}", f"{r['bwd']['x_floor']:.2f}")
+                      r["rotary"], str(r["tokens"]), *passes[0], *passes[1])
     console.print(table)
     for f in report["failed"]:
         console.print(f"FAILED: BS {f['block_size']}, D {f['head_dim']}, Hkv {f['kv_heads']}, {f['dtype']}, "
@@ -152,7 +176,8 @@ def heatmap(report: dict):
     for i, pass_name in enumerate(PASSES):
         for j, (dtype, rotary) in enumerate(panels):
             values = [[by_key[(dtype, rotary, bs, d, g)][pass_name]["x_floor"]
-                       if (dtype, rotary, bs, d, g) in by_key else float("nan") for g in ratios] for bs, d in shapes]
+                       if pass_name in by_key.get((dtype, rotary, bs, d, g), {}) else float("nan") for g in ratios]
+                      for bs, d in shapes]
             ax = axes[i][j]
             image = ax.imshow(values, cmap="RdYlGn_r", vmin=0.9, vmax=2.0, aspect="auto")
             for y, line in enumerate(values):
