@@ -54,12 +54,41 @@ def test_kernel_matches_dequantised_reference(out_dtype, block_size, hq, hkv):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("rotate", [("q", "k"), ("q", "k", "v")])
+def test_kernel_fused_rotary(out_dtype, rotate):
+    """fp8 with a fused rotary: the dequantised operands turned (and rounded to fp16) in the kernel, against the
+    reference of the turned dequantised inputs."""
+    from conftest import random_angles
+
+    from blockattn.ops.tiles import ROTATE_BITS
+    from blockattn.reference import rotary_reference
+
+    lengths = odd_lengths(32) + [70]
+    offsets = make_offsets(lengths, KERNEL_DEVICE)
+    (q, k, v), scales, exact = quantized_inputs(lengths, 4, 2, 64, KERNEL_DEVICE)
+    n = q.shape[0]
+    sinu_pos = random_angles(n, 64, device=KERNEL_DEVICE)
+    out_scale = out_scale_for(out_dtype, KERNEL_DEVICE)
+    table = build_block_table(offsets, n, 32)
+    mask = sum(ROTATE_BITS[name] for name in rotate)
+    out = triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 32, 64**-0.5, sinu_pos, mask, PLAIN,
+                                                fp8.Fp8Scales(*scales, out_dtype, out_scale))
+    turned = [rotary_reference(t, sinu_pos.double()) if name in rotate else t for name, t in zip("qkv", exact)]
+    ref = block_attention_reference(*turned, offsets, block_size=32)
+    assert snr_db(as_float64(out, out_scale), ref) > MIN_SNR_DB[out_dtype]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, FP8])
 def test_public_op_with_options_and_the_pytorch_path(out_dtype):
-    """Through ``block_attention`` (the kernels where they run, and the PyTorch path on the CPU), with a causal mask
-    and a position bias; the PyTorch path within the bound too."""
+    """Through ``block_attention`` (the kernels where they run, and the PyTorch path on the CPU), with a causal mask,
+    a position bias and a fused rotary; the PyTorch path within the bound too."""
+    from conftest import random_angles
+
+    from blockattn.reference import rotary_reference
+
     lengths = odd_lengths(32) + [100]
     hq = 2
-    options = {"causal": True, "pos_bias": torch.randn(hq, 63)}
+    options = {"causal": True, "pos_bias": torch.randn(hq, 63), "sinu_pos": random_angles(sum(lengths), 32)}
     for device in dict.fromkeys(("cpu", KERNEL_DEVICE)):
         offsets = make_offsets(lengths, device)
         (q, k, v), scales, exact = quantized_inputs(lengths, hq, hq, 32, device)
@@ -67,7 +96,8 @@ def test_public_op_with_options_and_the_pytorch_path(out_dtype):
         kwargs = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in options.items()}
         out = blockattn.block_attention(q, k, v, offsets, block_size=32, q_descale=scales[0], k_descale=scales[1],
                                         v_descale=scales[2], out_dtype=out_dtype, out_scale=out_scale, **kwargs)
-        ref = block_attention_reference(*exact, offsets.cpu(), block_size=32, causal=True,
+        turned = [rotary_reference(t.cpu(), options["sinu_pos"].double()) for t in exact]
+        ref = block_attention_reference(*turned, offsets.cpu(), block_size=32, causal=True,
                                         pos_bias=options["pos_bias"].double())
         assert out.dtype == out_dtype
         assert snr_db(as_float64(out, out_scale).cpu(), ref) > MIN_SNR_DB[out_dtype]
@@ -125,7 +155,6 @@ def _call(**overrides):
     ({"out_dtype": FP8}, ValueError, "out_scale is required with out_dtype=torch.float8_e4m3fn"),
     ({"out_scale": torch.ones(1)}, ValueError, "out_scale is required with out_dtype=torch.float8_e4m3fn"),
     ({"out_dtype": FP8, "out_scale": torch.ones(3)}, ValueError, "out_scale must be a 1-element float32 tensor"),
-    ({"sinu_pos": torch.zeros(20, 16)}, ValueError, "float8_e4m3fn inputs take no sinu_pos"),
     ({"q": torch.zeros(20, 2, 16)}, TypeError, "q, k and v must share a dtype"),
 ])
 def test_validation(overrides, error, message):

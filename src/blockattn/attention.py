@@ -95,8 +95,7 @@ def block_attention(
             the three descales are required (1-element float32 tensors on the inputs' device, read on the device:
             the result is that of the dequantised inputs ``q * q_descale`` etc.); ``out_dtype`` is bfloat16 by
             default, or float16, float32 or float8_e4m3fn, which needs ``out_scale`` (the output is the fp8 tensor
-            times it; values beyond e4m3's range saturate). Forward only (no input may require grad), no fused
-            rotary. The kernels widen the fp8 inputs to fp16 in registers: 16-bit products on half the bytes.
+            times it; values beyond e4m3's range saturate). Forward only (no input may require grad). The kernels widen the fp8 inputs to fp16 in registers: 16-bit products on half the bytes.
 
     Biases are added to the scaled scores before the softmax; under ``causal`` masked pairs get neither bias nor
     gradient. The biases' gradients are deterministic (per-block partial sums, added in a fixed order).
@@ -131,7 +130,7 @@ def block_attention(
                                  block_size)
     if q.dtype == checks.FP8_DTYPE and out_dtype is None:
         out_dtype = torch.bfloat16
-    checks.fp8_inference(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out_scale, sinu_pos)
+    checks.fp8_inference(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out = custom_ops.block_attention(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias,
                                      timestamps, time_bias, float(time_bucket_width), float(dropout_p),

@@ -82,8 +82,8 @@ def _triton_why_not(call: AttentionCall) -> str | None:
     if reason := devices.kernels_reason(call.device):
         return reason
     if call.dtype == FP8_DTYPE:
-        if call.pass_name != "fwd" or call.rotate:
-            return "takes float8_e4m3fn in the forward without a fused rotary only"
+        if call.pass_name != "fwd":
+            return "takes float8_e4m3fn in the forward only"
     elif call.dtype not in KERNEL_DTYPES:
         return f"takes float16, bfloat16, float32 and (forward) float8_e4m3fn, not {call.dtype}"
     if not (MIN_HEAD_DIM <= call.head_dim <= MAX_HEAD_DIM and call.head_dim % 8 == 0):

@@ -128,9 +128,9 @@ FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 
 
 def fp8_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple, out_dtype,
-                  out_scale, sinu_pos_) -> None:
-    """float8 inputs of block attention (forward only, no fused rotary), their descales and the output's dtype
-    and scale; for other inputs, that none of these is given."""
+                  out_scale) -> None:
+    """float8 inputs of block attention (forward only), their descales and the output's dtype and scale; for other
+    inputs, that none of these is given."""
     _descales(q.dtype, q.device, descales)
     if q.dtype != FP8_DTYPE:
         given = [name for name, value in (("out_dtype", out_dtype), ("out_scale", out_scale)) if value is not None]
@@ -147,8 +147,6 @@ def fp8_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: t
         if out_scale.numel() != 1 or out_scale.dtype != torch.float32 or out_scale.device != q.device:
             raise ValueError(f"out_scale must be a 1-element float32 tensor on the device of q ({q.device}), got "
                              f"{_describe(out_scale)}")
-    if sinu_pos_ is not None:
-        raise ValueError("float8_e4m3fn inputs take no sinu_pos (the fused rotary is not implemented for fp8)")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("the float8 forward is for inference: q, k, v must not require grad (call it under "
                          "torch.no_grad() or detach them)")

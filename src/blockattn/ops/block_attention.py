@@ -113,15 +113,23 @@ def _num_warps(block_size: int) -> int:
 @triton.jit
 def _operand_halves(words, sin, cos, ON: tl.constexpr, ELEM: tl.constexpr, FENCE: tl.constexpr):
     """A product operand's ``(even, odd)`` pair halves from its words, rotated (in fp32, rounded back to ``ELEM``, as
-    an unfused rotary would have stored it) when ``ON``. ``FENCE`` (NVIDIA GPUs) keeps the rotation in the load's
-    layout (``rotary.fence``)."""
+    an unfused rotary would have stored it) when ``ON``; fp8 pairs come out in fp16, rotated or not (ops.fp8: the
+    products of fp8 inputs are 16-bit). ``FENCE`` (NVIDIA GPUs) keeps the rotation in the load's layout
+    (``rotary.fence``)."""
+    FP8: tl.constexpr = ELEM == tl.float8e4nv
     if ON:
         even, odd = unpack_words(words, ELEM)
         even, odd = turn_pairs(even, odd, sin, cos, False)
-        even = even.to(ELEM)
-        odd = odd.to(ELEM)
+        if FP8:
+            even = even.to(tl.float16)
+            odd = odd.to(tl.float16)
+        else:
+            even = even.to(ELEM)
+            odd = odd.to(ELEM)
     else:
         even, odd = split_words(words, ELEM)
+        even = _widened(even, FP8)
+        odd = _widened(odd, FP8)
     return fence(even, FENCE), fence(odd, FENCE)
 
 
@@ -136,6 +144,17 @@ def _store_unrotated(base, rows, pair0, stride_n, even, odd, mask, sin, cos, ON:
         store_pairs_wide(base, rows, pair0, stride_n, even, odd, mask, PAIRS)
     else:
         store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS, INLINE_ASM)
+
+
+@triton.jit
+def _descaled(o, out_factor, FP8: tl.constexpr, OUT: tl.constexpr):
+    """An fp8 forward's output tile times ``v_descale`` (over ``out_scale`` for an fp8 output, then saturated:
+    e4m3fn has no infinity); other outputs as they are."""
+    if FP8:
+        o = o * out_factor
+        if OUT == tl.float8e4nv:
+            o = tl.minimum(tl.maximum(o, -_FP8_MAX), _FP8_MAX)
+    return o
 
 
 @triton.jit
@@ -155,11 +174,12 @@ def _pair_dot(a_even, a_odd, b_even, b_odd, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, start, head, rows, row_ok, head_dim, qk_scale_log2,
-                      stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd, mods,
+                      out_factor, stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd, mods,
                       BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr,
-                      INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr):
-    """The forward of one (block, head) on pair halves, the operands named by ROTATE turned after loading."""
+                      INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr):
+    """The forward of one (block, head) on pair halves, the operands named by ROTATE turned after loading (fp8
+    inputs: in fp16, ``out_factor`` their output's descale)."""
     PAIRS: tl.constexpr = CHUNK // 2
     elem_ty: tl.constexpr = q_base.dtype.element_ty
     half = head_dim // 2
@@ -176,15 +196,20 @@ def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, start, head, row
         q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE_Q & ROTATE, elem_ty, INLINE_ASM)
         k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
         scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
-    p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK).to(elem_ty)
+    p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK)
+    if FP8:
+        p = p.to(tl.float16)
+    else:
+        p = p.to(elem_ty)
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
         if NUM_CHUNKS > 1:  # else v and the angles come from the first loop
             sin, cos = load_angles(sinu_ptr, rows, c * PAIRS, half, stride_sn, stride_sd, mask, PAIRS)
             v_words = load_words(v_base, rows, c * PAIRS, stride_vn, mask, PAIRS)
         v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE_V & ROTATE, elem_ty, False)
-        o_even = tl.dot(p, v_even, input_precision=DOT_PRECISION)
-        o_odd = tl.dot(p, v_odd, input_precision=DOT_PRECISION)
+        o_even = _descaled(tl.dot(p, v_even, input_precision=DOT_PRECISION), out_factor, FP8,
+                           o_base.dtype.element_ty)
+        o_odd = _descaled(tl.dot(p, v_odd, input_precision=DOT_PRECISION), out_factor, FP8, o_base.dtype.element_ty)
         store_pairs(o_base, rows, c * PAIRS, stride_on, o_even, o_odd, mask, PAIRS, INLINE_ASM)
 
 
@@ -208,7 +233,7 @@ def _block_attention_fwd_kernel(
     # Heads vary fastest so that the programs of one block (which share its rows, and k/v under GQA) run together.
     # ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the operands turned by the rotary angles right after their load;
     # IN_BLOCK one of the in-block options (ops.in_block: causal, biases, dropout), whose arguments are ``mods``.
-    # FP8: q, k, v are float8_e4m3fn, widened to fp16 after loading and descaled (ops.fp8); not with ROTATE.
+    # FP8: q, k, v are float8_e4m3fn, widened to fp16 after loading, and descaled (ops.fp8).
     pid = tl.program_id(0)
     slot = pid // NUM_Q_HEADS
     head = pid % NUM_Q_HEADS
@@ -226,10 +251,18 @@ def _block_attention_fwd_kernel(
     mods = (pos_bias_ptr, stride_pbh, stride_pbw, timestamps_ptr, stride_ts, time_bias_ptr, stride_tbh, stride_tbb,
             edges_ptr, num_buckets, bucket_scale, seed_ptr, keep_threshold, keep_scale)
 
+    out_factor = 1.0
+    if FP8:
+        qk_scale_log2 = qk_scale_log2 * tl.load(q_descale_ptr) * tl.load(k_descale_ptr)
+        out_factor = tl.load(v_descale_ptr)
+        if o_ptr.dtype.element_ty == tl.float8e4nv:
+            out_factor = out_factor / tl.load(out_scale_ptr)
+
     if ROTATE:
         _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, start, head, rows, row_ok, head_dim,
-                          qk_scale_log2, stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd, mods,
-                          BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE, INLINE_ASM, IN_BLOCK)
+                          qk_scale_log2, out_factor, stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd,
+                          mods, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE, INLINE_ASM, IN_BLOCK,
+                          FP8)
         return
     scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
@@ -239,11 +272,6 @@ def _block_attention_fwd_kernel(
         k = _widened(tl.load(tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0),
                      FP8)
         scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
-    if FP8:
-        qk_scale_log2 = qk_scale_log2 * tl.load(q_descale_ptr) * tl.load(k_descale_ptr)
-        out_factor = tl.load(v_descale_ptr)
-        if o_ptr.dtype.element_ty == tl.float8e4nv:
-            out_factor = out_factor / tl.load(out_scale_ptr)
     p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK)
     if FP8:
         p = p.to(tl.float16)
@@ -254,11 +282,7 @@ def _block_attention_fwd_kernel(
         mask = tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
         v = _widened(tl.load(tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0),
                      FP8)
-        o = tl.dot(p, v, input_precision=DOT_PRECISION)
-        if FP8:
-            o = o * out_factor
-            if o_ptr.dtype.element_ty == tl.float8e4nv:
-                o = tl.minimum(tl.maximum(o, -_FP8_MAX), _FP8_MAX)  # saturate: e4m3fn has no inf
+        o = _descaled(tl.dot(p, v, input_precision=DOT_PRECISION), out_factor, FP8, o_ptr.dtype.element_ty)
         store_tile(o_base, rows, c * CHUNK, stride_on, stride_od, o, mask, CHUNK)
 
 

@@ -4,7 +4,7 @@ kernels fuse, a standalone kernel for ``apply_rotary``, and its launcher.
 ``sinu_pos`` is ``[N, D]``: columns ``0 : D/2`` hold the sines and ``D/2 : D`` the cosines of the pair angles, so
 pair ``i`` (columns ``2i, 2i+1``) turns by angle ``i``. The inverse rotation (the backward) negates the sines.
 
-Each pair is read and written as one machine word (32 bits for 16-bit dtypes, 64 for fp32) and split in registers
+Each pair is read and written as one machine word (16 bits for fp8, 32 for 16-bit dtypes, 64 for fp32) and split in registers
 into an "even" and an "odd" ``[rows, D/2]`` tile: both come out in the layout of the ``[rows, D/2]`` sine and cosine
 tiles, so the rotation is elementwise, and loads and stores stay 16-byte vectors. Kernels then work on the two
 halves (two half-width products instead of one). A bf16 half becomes fp32 with one shift or mask, and on NVIDIA GPUs
@@ -34,9 +34,11 @@ def pair_ptrs(base, rows, pair0, stride_n, WORD: tl.constexpr, PAIRS: tl.constex
 
 @triton.jit
 def load_words(base, rows, pair0, stride_n, mask, PAIRS: tl.constexpr):
-    """Pairs ``pair0 : pair0 + PAIRS`` of ``rows`` as ``[rows, PAIRS]`` words: uint32 for 16-bit dtypes, uint64 for
-    fp32. The lower address (the even column) is the low half (little-endian)."""
-    if base.dtype.element_ty.primitive_bitwidth == 16:
+    """Pairs ``pair0 : pair0 + PAIRS`` of ``rows`` as ``[rows, PAIRS]`` words: uint16 for fp8, uint32 for 16-bit
+    dtypes, uint64 for fp32. The lower address (the even column) is the low half (little-endian)."""
+    if base.dtype.element_ty.primitive_bitwidth == 8:
+        words = load_or_zero(pair_ptrs(base, rows, pair0, stride_n, tl.uint16, PAIRS), mask)
+    elif base.dtype.element_ty.primitive_bitwidth == 16:
         words = load_or_zero(pair_ptrs(base, rows, pair0, stride_n, tl.uint32, PAIRS), mask)
     else:
         words = load_or_zero(pair_ptrs(base, rows, pair0, stride_n, tl.uint64, PAIRS), mask)
@@ -46,7 +48,10 @@ def load_words(base, rows, pair0, stride_n, mask, PAIRS: tl.constexpr):
 @triton.jit
 def split_words(words, ELEM: tl.constexpr):
     """``(even, odd)`` halves of pair words, in the pairs' dtype ``ELEM`` (no arithmetic)."""
-    if ELEM.primitive_bitwidth == 16:
+    if ELEM.primitive_bitwidth == 8:
+        even = words.to(tl.uint8).to(ELEM, bitcast=True)
+        odd = (words >> 8).to(tl.uint8).to(ELEM, bitcast=True)
+    elif ELEM.primitive_bitwidth == 16:
         even = words.to(tl.uint16).to(ELEM, bitcast=True)
         odd = (words >> 16).to(tl.uint16).to(ELEM, bitcast=True)
     else:
@@ -72,7 +77,11 @@ def unpack_words(words, ELEM: tl.constexpr):
 def pack_words(even, odd, ELEM: tl.constexpr, INLINE_ASM: tl.constexpr):
     """Pair words of ``(even, odd)`` (any float dtype) rounded to ``ELEM``. With ``INLINE_ASM`` (NVIDIA GPUs) one
     ``cvt`` rounds and packs two fp32 at once."""
-    if ELEM.primitive_bitwidth == 16:
+    if ELEM.primitive_bitwidth == 8:
+        low = even.to(ELEM).to(tl.uint8, bitcast=True).to(tl.uint16)
+        high = odd.to(ELEM).to(tl.uint8, bitcast=True).to(tl.uint16)
+        words = low | (high << 8)
+    elif ELEM.primitive_bitwidth == 16:
         if INLINE_ASM:
             if ELEM.is_bf16():
                 words = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
@@ -115,7 +124,9 @@ def store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS: tl.constexp
     """Store ``even``/``odd`` ``[rows, PAIRS]`` tiles (any float dtype) into the interleaved columns of ``base``."""
     elem_ty: tl.constexpr = base.dtype.element_ty
     words = pack_words(even, odd, elem_ty, INLINE_ASM)
-    if elem_ty.primitive_bitwidth == 16:
+    if elem_ty.primitive_bitwidth == 8:
+        tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint16, PAIRS), words, mask=mask)
+    elif elem_ty.primitive_bitwidth == 16:
         tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint32, PAIRS), words, mask=mask)
     else:
         tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint64, PAIRS), words, mask=mask)
