@@ -132,36 +132,50 @@ def _sdpa(inputs: _Inputs, kwargs: dict) -> dict:
     return {"fwd": forward, "leaves": leaves, "out": forward}
 
 
+# FlexAttention's grid puts batch x heads on one axis (at most 65 535): its batch entries hold this many blocks.
+FLEX_BLOCKS_PER_ENTRY = 8
+
+
 def _flex(inputs: _Inputs, kwargs: dict) -> dict:
+    """FlexAttention on the padded blocks, ``FLEX_BLOCKS_PER_ENTRY`` of them back to back per batch entry (one
+    block per entry would put 25 000 blocks x heads on one grid axis, past CUDA's limit), with a block mask that
+    keeps each block to itself; ``mask_mod`` masks other blocks, padded keys (and above the diagonal), ``score_mod``
+    adds the biases."""
     if "dropout_p" in kwargs:
         raise NotImplementedError("FlexAttention has no dropout")
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     case = inputs.case
-    bs = case.block_size
+    bs, per_entry = case.block_size, FLEX_BLOCKS_PER_ENTRY
     leaves, biases = inputs.leaves(kwargs)
-    lengths, causal = inputs.lengths, kwargs.get("causal", False)
-    times = kwargs["timestamps"][inputs.rows] if "timestamps" in kwargs else None
+    num_blocks, causal = inputs.lengths.numel(), kwargs.get("causal", False)
+    entries = -(-num_blocks // per_entry)
+    padding = entries * per_entry - num_blocks  # empty blocks that fill the last entry
+    rows = torch.cat([inputs.rows, inputs.rows[-1:].expand(padding, bs)]).flatten()
+    lengths = torch.cat([inputs.lengths, inputs.lengths.new_zeros(padding)])
+    times = kwargs["timestamps"][rows] if "timestamps" in kwargs else None
+    seq = per_entry * bs
 
     def mask_mod(b, h, q_idx, kv_idx):
-        visible = kv_idx < lengths[b]
+        visible = (q_idx // bs == kv_idx // bs) & (kv_idx % bs < lengths[b * per_entry + kv_idx // bs])
         return visible & (kv_idx <= q_idx) if causal else visible
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        if "pos_bias" in biases:
-            score = score + biases["pos_bias"][h, kv_idx - q_idx + bs - 1]
+        if "pos_bias" in biases:  # clamped: Flex may evaluate it on pairs of two blocks too (then masked)
+            score = score + biases["pos_bias"][h, (kv_idx - q_idx + bs - 1).clamp(0, 2 * bs - 2)]
         if times is not None:
-            score = score + biases["time_bias"][h, _log_buckets(times[b, kv_idx] - times[b, q_idx])]
+            score = score + biases["time_bias"][h, _log_buckets(times[b * seq + kv_idx] - times[b * seq + q_idx])]
         return score
 
-    block_mask = create_block_mask(mask_mod, lengths.numel(), None, bs, bs, device=inputs.device, BLOCK_SIZE=bs)
+    block_mask = create_block_mask(mask_mod, entries, None, seq, seq, device=inputs.device, BLOCK_SIZE=bs)
     # Compiled, as FlexAttention is meant to run (eager is a slow reference); eager off the GPU, for the tests.
     attend = torch.compile(flex_attention, fullgraph=True) if inputs.device == "cuda" else flex_attention
 
     def forward():
-        q, k, v = (inputs.padded(t) for t in leaves[:3])
+        q, k, v = (t[rows].unflatten(0, (entries, seq)).transpose(1, 2) for t in leaves[:3])
         out = attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.scale, enable_gqa=case.gqa)
-        return inputs.unpadded(out)
+        blocks = out.transpose(1, 2).reshape(entries * per_entry, bs, *out.shape[1:2], out.shape[-1])
+        return blocks[:num_blocks][case.valid]
 
     return {"fwd": forward, "leaves": leaves, "out": forward}
 
