@@ -167,7 +167,9 @@ def _flex(inputs: _Inputs, kwargs: dict) -> dict:
             score = score + biases["time_bias"][h, _log_buckets(times[b * seq + kv_idx] - times[b * seq + q_idx])]
         return score
 
-    block_mask = create_block_mask(mask_mod, entries, None, seq, seq, device=inputs.device, BLOCK_SIZE=bs)
+    # The block mask keeps Flex's default 128-token tiles: its kernels need the mask's tiles to be multiples of theirs
+    # (a 64-token mask was refused on an H100); mask_mod does the rest inside each tile.
+    block_mask = create_block_mask(mask_mod, entries, None, seq, seq, device=inputs.device)
     # Compiled, as FlexAttention is meant to run (eager is a slow reference); eager off the GPU, for the tests.
     attend = torch.compile(flex_attention, fullgraph=True) if inputs.device == "cuda" else flex_attention
 

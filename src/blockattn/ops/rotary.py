@@ -4,12 +4,13 @@ kernels fuse, a standalone kernel for ``apply_rotary``, and its launcher.
 ``sinu_pos`` is ``[N, D]``: columns ``0 : D/2`` hold the sines and ``D/2 : D`` the cosines of the pair angles, so
 pair ``i`` (columns ``2i, 2i+1``) turns by angle ``i``. The inverse rotation (the backward) negates the sines.
 
-Each pair is read and written as one machine word (16 bits for fp8, 32 for 16-bit dtypes, 64 for fp32) and split in registers
-into an "even" and an "odd" ``[rows, D/2]`` tile: both come out in the layout of the ``[rows, D/2]`` sine and cosine
-tiles, so the rotation is elementwise, and loads and stores stay 16-byte vectors. Kernels then work on the two
-halves (two half-width products instead of one). A bf16 half becomes fp32 with one shift or mask, and on NVIDIA GPUs
-one ``cvt`` rounds two fp32 results and packs them into a word. This needs ``stride_d == 1`` and word-aligned rows
-(:func:`pair_aligned`). All arithmetic is fp32; results are stored once, in the output's dtype.
+Each pair is read and written as one machine word (32 bits for 16-bit dtypes, 64 for fp32; fp8 pairs are read as
+16-bit words, written as bytes) and split in registers into an "even" and an "odd" ``[rows, D/2]`` tile: both come
+out in the layout of the ``[rows, D/2]`` sine and cosine tiles, so the rotation is elementwise, and loads and
+stores stay 16-byte vectors. Kernels then work on the two halves (two half-width products instead of one). A bf16
+half becomes fp32 with one shift or mask, and on NVIDIA GPUs one ``cvt`` rounds two fp32 results and packs them
+into a word. This needs ``stride_d == 1`` and word-aligned rows (:func:`pair_aligned`). All arithmetic is fp32;
+results are stored once, in the output's dtype.
 """
 
 from __future__ import annotations
@@ -77,11 +78,7 @@ def unpack_words(words, ELEM: tl.constexpr):
 def pack_words(even, odd, ELEM: tl.constexpr, INLINE_ASM: tl.constexpr):
     """Pair words of ``(even, odd)`` (any float dtype) rounded to ``ELEM``. With ``INLINE_ASM`` (NVIDIA GPUs) one
     ``cvt`` rounds and packs two fp32 at once."""
-    if ELEM.primitive_bitwidth == 8:
-        low = even.to(ELEM).to(tl.uint8, bitcast=True).to(tl.uint16)
-        high = odd.to(ELEM).to(tl.uint8, bitcast=True).to(tl.uint16)
-        words = low | (high << 8)
-    elif ELEM.primitive_bitwidth == 16:
+    if ELEM.primitive_bitwidth == 16:
         if INLINE_ASM:
             if ELEM.is_bf16():
                 words = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
@@ -123,13 +120,19 @@ def fence(x, INLINE_ASM: tl.constexpr):
 def store_pairs(base, rows, pair0, stride_n, even, odd, mask, PAIRS: tl.constexpr, INLINE_ASM: tl.constexpr):
     """Store ``even``/``odd`` ``[rows, PAIRS]`` tiles (any float dtype) into the interleaved columns of ``base``."""
     elem_ty: tl.constexpr = base.dtype.element_ty
-    words = pack_words(even, odd, elem_ty, INLINE_ASM)
     if elem_ty.primitive_bitwidth == 8:
-        tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint16, PAIRS), words, mask=mask)
-    elif elem_ty.primitive_bitwidth == 16:
-        tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint32, PAIRS), words, mask=mask)
+        # fp8 (outputs only): interleaved in registers and stored as bytes. Packed into 16-bit words by shifts
+        # instead, two columns of every row came out wrong on an H100 (triton 3.6).
+        width: tl.constexpr = 2 * PAIRS
+        tile = tl.join(even.to(elem_ty), odd.to(elem_ty)).reshape(even.shape[0], width)
+        tl.store(tile_ptrs(base, rows, 2 * pair0, stride_n, 1, width), tile,
+                 mask=tl.join(mask, mask).reshape(even.shape[0], width))
     else:
-        tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint64, PAIRS), words, mask=mask)
+        words = pack_words(even, odd, elem_ty, INLINE_ASM)
+        if elem_ty.primitive_bitwidth == 16:
+            tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint32, PAIRS), words, mask=mask)
+        else:
+            tl.store(pair_ptrs(base, rows, pair0, stride_n, tl.uint64, PAIRS), words, mask=mask)
 
 
 @triton.jit
