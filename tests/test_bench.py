@@ -692,8 +692,9 @@ def test_small_gpu_sweep_run(tmp_path):
     configs = sweep.grid(block_sizes=(32,), head_dims=(64,), kv_heads=(8, 2), dtypes=("bfloat16", sweep.FP8))
     report = sweep.run(configs, rep_ms=5, query_elements=2**20)
     assert not report["failed"] and len(report["results"]) == len(configs)
-    # Not a timing test: at this size launches dominate, but a ratio outside these bounds means a wrong floor.
+    # Not a timing test: at this size the host's launches set the time (up to 200x the floor on an H100), but no
+    # kernel beats its memory floor by 3x; a ratio under that means a floor counted too many bytes.
     ratios = {(r["kv_heads"], r["dtype"], r["rotary"], p): r[p]["x_floor"]
               for r in report["results"] for p in sweep.PASSES if p in r}
-    assert all(0.3 < x < 200 for x in ratios.values()), ratios
+    assert all(x > 0.3 for x in ratios.values()), ratios
     assert [p.name for p in sweep.write_files(report, tmp_path)] == ["sweep.json", "sweep.png"]
