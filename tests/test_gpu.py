@@ -374,5 +374,5 @@ def test_gpu_before_ampere_runs_the_pytorch_path(monkeypatch, poisoned_outputs):
 
 def test_float64_is_refused_on_the_gpu():
     q = torch.randn(10, 2, 16, dtype=torch.float64, device="cuda")
-    with pytest.raises(TypeError, match="q must be float16, bfloat16 or float32 on cuda"):
+    with pytest.raises(TypeError, match="q must be float16, bfloat16, float32 or float8_e4m3fn on cuda, got torch.float64"):
         blockattn.block_attention(q, q, q, make_offsets([10], "cuda"))
