@@ -95,7 +95,8 @@ def block_attention(
             the three descales are required (1-element float32 tensors on the inputs' device, read on the device:
             the result is that of the dequantised inputs ``q * q_descale`` etc.); ``out_dtype`` is bfloat16 by
             default, or float16, float32 or float8_e4m3fn, which needs ``out_scale`` (the output is the fp8 tensor
-            times it; values beyond e4m3's range saturate). Forward only (no input may require grad). The kernels widen the fp8 inputs to fp16 in registers: 16-bit products on half the bytes.
+            times it; values beyond e4m3's range saturate). Forward only (no input may require grad). The kernels
+            widen the fp8 inputs to fp16 in registers: 16-bit products on half the bytes.
 
     Biases are added to the scaled scores before the softmax; under ``causal`` masked pairs get neither bias nor
     gradient. The biases' gradients are deterministic (per-block partial sums, added in a fixed order).

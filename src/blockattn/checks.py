@@ -13,6 +13,7 @@ import math
 import torch
 
 from .block_table import BlockLayout, BlockTable
+from .ops.fp8 import FP8_DTYPE
 from .ops.in_block import MIN_BUCKET_WIDTH
 from .ops.tiles import ROTATE_BITS
 
@@ -25,7 +26,6 @@ MAX_ROTARY_DIM = 512
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT64_DEVICES = ("cpu", "meta")
 OFFSET_DTYPES = (torch.int32, torch.int64)
-FP8_DTYPE = torch.float8_e4m3fn
 # Timestamps of the time bias: integers (e.g. seconds) or float32.
 TIMESTAMP_DTYPES = (torch.int64, torch.int32, torch.float32)
 # Flash attention: the kernels take fp16, bf16 and fp8; the PyTorch path takes float32 too (on any device) and float64

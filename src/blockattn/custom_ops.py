@@ -214,7 +214,7 @@ def _(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, sc
 def _save_for_backward(ctx, inputs: tuple, table: tuple) -> None:
     """Both routes (:func:`block_attention`): what the backward reads. ``inputs`` as the forward op takes them."""
     (q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias, width, p, seed,
-     *layout_table) = inputs[:17]
+     *layout_table) = inputs[:17]  # the fp8 forward's arguments follow (it has no backward)
     block_cum, block_seq = _saved_table(layout_table, table)
     ctx.save_for_backward(q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed)
     ctx.block_size, ctx.scale, ctx.rotate = block_size, scale, rotate
