@@ -200,22 +200,28 @@ def test_compile_fullgraph_cpu():
 
 @pytest.mark.parametrize("packed", [False, True], ids=["qkv", "packed"])
 def test_eager_route_and_custom_op_give_the_same_results(packed, monkeypatch):
-    """The eager route (the ops' implementations under a ``torch.autograd.Function``) and the custom ops' own
-    autograd compute bitwise the same outputs and gradients, biases' included."""
+    """The eager route (the ops' implementations under a ``torch.autograd.Function``, or called directly where
+    nothing needs a gradient) and the custom ops' own autograd compute bitwise the same outputs and gradients,
+    biases' included."""
     from blockattn import custom_ops
 
     q, k, v, do, offsets = random_inputs(odd_lengths(16), 4, 2, 16, torch.float32, "cpu")
     pos_bias = torch.randn(4, 31)
     x, w = torch.randn(q.shape[0], 24), torch.randn(24, 8 * 16)
 
+    def attend(leaves):
+        if packed:
+            return blockattn.qkv_block_attention(*leaves[:2], offsets, num_heads=4, num_kv_heads=2, block_size=16,
+                                                 causal=True, pos_bias=leaves[2])
+        return blockattn.block_attention(*leaves[:3], offsets, block_size=16, causal=True, pos_bias=leaves[3])
+
     def run():
         leaves = [t.clone().requires_grad_() for t in ((x, w, pos_bias) if packed else (q, k, v, pos_bias))]
-        if packed:
-            out = blockattn.qkv_block_attention(*leaves[:2], offsets, num_heads=4, num_kv_heads=2, block_size=16,
-                                                causal=True, pos_bias=leaves[2])
-        else:
-            out = blockattn.block_attention(*leaves[:3], offsets, block_size=16, causal=True, pos_bias=leaves[3])
-        return [out, *torch.autograd.grad(out, leaves, do)]
+        out = attend(leaves)
+        with torch.no_grad():
+            inference = attend(leaves)
+        assert inference.grad_fn is None and not inference.requires_grad
+        return [out, inference, *torch.autograd.grad(out, leaves, do)]
 
     assert custom_ops.eager_route(q)
     eager = run()

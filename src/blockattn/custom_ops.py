@@ -330,20 +330,24 @@ def eager_route(*tensors: torch.Tensor) -> bool:
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _attention(op, eager: type[torch.autograd.Function], inputs: tuple) -> torch.Tensor:
-    if eager_route(*(x for x in inputs if isinstance(x, torch.Tensor))):
-        return eager.apply(*inputs)
+def _attention(op, eager: type[torch.autograd.Function], forward, inputs: tuple) -> torch.Tensor:
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    if eager_route(*tensors):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return eager.apply(*inputs)
+        # Nothing to differentiate (inference): the implementation itself, without the Function's bookkeeping.
+        return forward(*inputs)[0]
     return op(*inputs)[0]
 
 
 def block_attention(*inputs) -> torch.Tensor:
     """``block_attention_fwd(*inputs)``'s output with autograd: by the eager route where it may run."""
-    return _attention(block_attention_fwd, _EagerBlockAttention, inputs)
+    return _attention(block_attention_fwd, _EagerBlockAttention, _block_attention_fwd, inputs)
 
 
 def qkv_block_attention(*inputs) -> torch.Tensor:
     """``qkv_block_attention_fwd(*inputs)``'s output with autograd: by the eager route where it may run."""
-    return _attention(qkv_block_attention_fwd, _EagerQkvBlockAttention, inputs)
+    return _attention(qkv_block_attention_fwd, _EagerQkvBlockAttention, _qkv_block_attention_fwd, inputs)
 
 
 def in_block_pairs(offsets: torch.Tensor, num_tokens: int, block_size: int, causal: bool = False) -> int:
