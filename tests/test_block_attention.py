@@ -129,7 +129,7 @@ def test_kernels_strided_inputs(poisoned_outputs):
 
 
 def test_custom_scale():
-    q, k, v, do, offsets = random_inputs([40, 7], 2, 2, 16, torch.float32, "cpu")
+    q, k, v, _do, offsets = random_inputs([40, 7], 2, 2, 16, torch.float32, "cpu")
     out = blockattn.block_attention(q, k, v, offsets, block_size=16, scale=0.3)
     ref = block_attention_reference(q, k, v, offsets, block_size=16, scale=0.3)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -184,7 +184,7 @@ def test_opcheck_custom_ops():
 
 
 def test_compile_fullgraph_cpu():
-    q, k, v, do, offsets = random_inputs([9, 40], 2, 2, 16, torch.float32, "cpu")
+    q, k, v, _do, offsets = random_inputs([9, 40], 2, 2, 16, torch.float32, "cpu")
 
     def layer(q, k, v, offsets):
         return blockattn.block_attention(q * 2, k, v, offsets, block_size=16).sum(-1)
@@ -269,7 +269,7 @@ def test_torch_path_non_finite_input_stays_in_its_block_and_head(where, bad):
     """As on the GPU: a NaN or inf shows in the output of its own block and head, and nowhere else."""
     lengths, bs = [40, 7], 16
     q, k, v, _, offsets = random_inputs(lengths, 2, 2, 16, torch.float32, "cpu")
-    inputs = dict(q=q, k=k, v=v)
+    inputs = {"q": q, "k": k, "v": v}
     inputs[where][20, 1, 3] = bad  # row 20: block 1 (rows 16..31) of sequence 0, head 1
     out = blockattn.block_attention(*inputs.values(), offsets, block_size=bs)
     ref = block_attention_reference(*inputs.values(), offsets, block_size=bs)
@@ -320,7 +320,7 @@ def test_meta_tensors_give_shapes():
 def test_block_layout_is_reused_and_matches_offsets():
     """A layout built once gives bitwise the results of passing the offsets, forward and backward, through
     block_attention, qkv_block_attention and the layer, eager and compiled; its block size is the calls'."""
-    q, k, v, do, offsets = random_inputs(odd_lengths(32) + [70], 4, 2, 16, torch.float32, "cpu")
+    q, k, v, _do, offsets = random_inputs(odd_lengths(32) + [70], 4, 2, 16, torch.float32, "cpu")
     layout = blockattn.block_layout(offsets, q.shape[0], block_size=32)
     assert layout.block_size == 32 and layout.num_tokens == q.shape[0]
 

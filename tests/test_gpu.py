@@ -180,7 +180,7 @@ def test_bad_offsets_trip_device_assert():
         torch.cuda.synchronize()
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode != 0
     assert "device-side assert" in result.stderr or "offsets must start at 0" in result.stderr
 

@@ -181,7 +181,7 @@ def test_block_attention_sinu_pos_autograd_cpu(rotate):
 
 def test_block_attention_nested_sinu_pos():
     lengths = [5, 0, 40]
-    q, k, v, do, offsets = random_inputs(lengths, 2, 1, 16, torch.float32, "cpu", torch.int64)
+    q, k, v, _do, offsets = random_inputs(lengths, 2, 1, 16, torch.float32, "cpu", torch.int64)
     sinu_pos = random_angles(q.shape[0], 16)
     nested = [torch.nested.nested_tensor_from_jagged(t, offsets) for t in (q, k, v, sinu_pos)]
     out = blockattn.block_attention(*nested[:3], block_size=16, sinu_pos=nested[3])

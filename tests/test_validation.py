@@ -181,7 +181,7 @@ def test_qkv_block_attention_checks_heads_before_the_projection():
             self.ops.append(func)
             return func(*args, **(kwargs or {}))
 
-    x, w, bias = projection(hq=3, hkv=3, d=12)  # 9 heads of 12 columns: head_dim 12 is refused
+    x, w, _bias = projection(hq=3, hkv=3, d=12)  # 9 heads of 12 columns: head_dim 12 is refused
     for offsets, message in ((make_offsets([4, 6]), "head_dim must be a multiple of 8"),
                              (make_offsets([4, 6]).float(), "offsets must be int32")):
         with RecordOps() as recorded, pytest.raises((TypeError, ValueError), match=message):

@@ -8,6 +8,7 @@ default ``compute_dtype=torch.float64`` they are the ground truth; with the inpu
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -35,7 +36,7 @@ def block_attention_reference(
     differentiable (in ``q``, ``k``, ``v`` and the biases); returns ``compute_dtype``. ``dropout_mask(start,
     length)`` gives the kept probabilities ``[Hq, length, length]`` (bool) of the block starting at token
     ``start``."""
-    n, hq, d = q.shape
+    _, hq, d = q.shape
     group = hq // k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q, k, v = (t.to(compute_dtype) for t in (q, k, v))
@@ -43,7 +44,7 @@ def block_attention_reference(
     v = v.repeat_interleave(group, dim=1)
     pieces = []
     bounds = offsets.tolist()
-    for seq_start, seq_end in zip(bounds[:-1], bounds[1:]):
+    for seq_start, seq_end in itertools.pairwise(bounds):
         for start in range(seq_start, seq_end, block_size):
             end = min(start + block_size, seq_end)
             qb, kb, vb = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [H, L, D]

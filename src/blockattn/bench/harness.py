@@ -192,7 +192,7 @@ def _accuracy(w: Workload, offsets: torch.Tensor, seed: int) -> list[dict]:
         leaves = [t.double().requires_grad_() for t in case.inputs]
         ref = block_attention_reference(*leaves, case.offsets, block_size=case.block_size, scale=case.scale)
         exact = [ref.detach(), *torch.autograd.grad(ref, leaves, case.do.double())]
-    except Exception as error:  # without the reference there is nothing to compare; the timings stand
+    except Exception as error:  # noqa: BLE001 -- without the reference there is nothing to compare; the timings stand
         return [{"workload": w.name, "impl": "float64 reference", "status": FAILED, "reason": describe(error)}]
     for name, factory in ((OURS, blockattn_runner), (REFERENCE_BASELINE, BASELINES[REFERENCE_BASELINE])):
         try:
@@ -200,7 +200,7 @@ def _accuracy(w: Workload, offsets: torch.Tensor, seed: int) -> list[dict]:
         except Unavailable as why:
             rows.append({"workload": w.name, "impl": name, "status": UNAVAILABLE, "reason": str(why)})
             continue
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 -- a baseline that raises is reported, the others still run
             rows.append({"workload": w.name, "impl": name, "status": FAILED, "reason": describe(error)})
             continue
         row = {"workload": w.name, "impl": name, "tokens": int(case.offsets[-1])}
@@ -252,7 +252,7 @@ def _time_group(report: Report, w: Workload, case: Case, group: str, factories: 
         except Unavailable as why:
             report.skipped.append({**where, "status": UNAVAILABLE, "reason": str(why)})
             continue
-        except Exception as error:  # whatever one implementation raises, the others still run
+        except Exception as error:  # noqa: BLE001 -- whatever one implementation raises, the others still run
             report.skipped.append({**where, "status": FAILED, "reason": describe(error)})
             continue
         finally:
@@ -305,7 +305,7 @@ def run(workloads: list[Workload], passes: list[str], baselines: list[str], rep_
         report.workloads.append(entry)
         try:
             _bench_workload(report, entry, w, offsets, passes, baselines, rep_ms, seed, progress, task)
-        except Exception as error:  # the workloads after it still run, and the report keeps what was measured
+        except Exception as error:  # noqa: BLE001 -- the workloads after it still run, and the report keeps what was measured
             entry["failed"] = describe(error)
         finally:
             free_memory()

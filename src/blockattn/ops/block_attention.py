@@ -684,7 +684,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
                   BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
                   DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or _num_warps(block_size),
                   num_stages=1, **_register_cap(maxnreg))
-    tensors = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_out, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv)
+    tensors = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "do_ptr": grad_out, "dq_ptr": dq, "dk_ptr": dk, "dv_ptr": dv}
     one_layout = len({t.stride() for t in (q, k, v, dq, dk, dv)}) == 1
     if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None and not options.bits:
         programs = min(table.num_slots * hq, _persistent_programs(q.device))
