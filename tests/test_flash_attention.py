@@ -255,6 +255,26 @@ def test_compile_fullgraph():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+def test_eager_route_and_custom_op_give_the_same_results(monkeypatch):
+    """Eager calls run the op's implementation directly (``custom_ops.eager_route``); through the custom op the
+    results are bitwise the same, dense and varlen."""
+    from blockattn import custom_ops
+
+    q, k, v, cu_q, cu_k = packed_inputs([7, 0, 20], [9, 3, 20], 4, 2, 32,
+                                        torch.float16 if HAS_GPU else torch.float32, KERNEL_DEVICE)
+
+    def run():
+        return [*blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True),
+                *blockattn.flash_attention(q[:20].unsqueeze(0), k[:20].unsqueeze(0), v[:20].unsqueeze(0),
+                                           return_lse=True)]
+
+    assert custom_ops.eager_route(q)
+    eager = run()
+    monkeypatch.setattr(custom_ops, "eager_route", lambda *tensors: False)
+    for got, want in zip(run(), eager):
+        assert torch.equal(got, want)
+
+
 def test_opcheck():
     """The custom op's fake agrees with its implementations (shapes, strides, dtypes), dense and varlen."""
     q, k, v, cu_q, cu_k = packed_inputs([7, 0, 20], [9, 3, 20], 4, 2, 32,

@@ -3,10 +3,10 @@
 The ops are opaque to ``torch.compile`` (one node each, no graph break) and their fake implementations give the
 output metadata without running anything (``torch.compile``, meta tensors). In eager mode the public functions
 take a shorter route to the same implementations (:func:`eager_route`): a ``torch.autograd.Function`` that calls
-them directly, since the custom op's dispatch and autograd wrapper cost more host time than the kernels of a small
-batch. Each attention op asks
-``backends.select`` which backend runs it; the rotary op runs its Triton kernel where ``devices.kernels_run_on``
-says the kernels run, else PyTorch. The forwards also return the block table they built, so that the backwards
+them directly (or a direct call where nothing needs a gradient, and for the forward-only flash op), since the
+custom op's dispatch and autograd wrapper cost more host time than the kernels of a small batch. Each attention op
+asks ``backends.select`` which backend runs it; the rotary op runs its Triton kernel where
+``devices.kernels_run_on`` says the kernels run, else PyTorch. The forwards also return the block table they built, so that the backwards
 reuse it instead of building it again.
 
 Three families: ``rotary`` (``apply_rotary``), ``block_attention_*`` on separate ``q, k, v`` and
@@ -393,8 +393,7 @@ def _qkv_bwd_flops(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_h
     return _attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, causal, matmuls=5)
 
 
-@torch.library.custom_op("blockattn::flash_attention_fwd", mutates_args=())
-def flash_attention_fwd(
+def _flash_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int | None, max_seqlen_k: int | None, scale: float, causal: bool,
     bottom_right: bool, out_dtype: torch.dtype, q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
@@ -418,6 +417,19 @@ def flash_attention_fwd(
     descales = None if q_descale is None else (q_descale, k_descale, v_descale)
     return backend.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal, bottom_right, out_dtype,
                            descales, config)
+
+
+flash_attention_fwd = torch.library.custom_op("blockattn::flash_attention_fwd", _flash_attention_fwd,
+                                              mutates_args=())
+
+
+def flash_attention(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attention_fwd(*inputs)``: its implementation called directly where the eager route may run (the
+    op's dispatch costs more host time than a small call's kernel; forward only, so there is no autograd to set
+    up), the op elsewhere."""
+    if eager_route(*(x for x in inputs if isinstance(x, torch.Tensor))):
+        return _flash_attention_fwd(*inputs)
+    return flash_attention_fwd(*inputs)
 
 
 @flash_attention_fwd.register_fake

@@ -52,9 +52,9 @@ def _attend(q, k, v, cu_seqlens, max_seqlens, *, causal, causal_alignment, scale
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if out_dtype is None:
         out_dtype = torch.bfloat16 if q.dtype == checks.FP8_DTYPE else q.dtype
-    out, lse = custom_ops.flash_attention_fwd(q, k, v, *cu_seqlens, *max_seqlens, scale, causal,
-                                              causal_alignment == "bottom_right", out_dtype, q_descale, k_descale,
-                                              v_descale, variant)
+    out, lse = custom_ops.flash_attention(q, k, v, *cu_seqlens, *max_seqlens, scale, causal,
+                                          causal_alignment == "bottom_right", out_dtype, q_descale, k_descale,
+                                          v_descale, variant)
     return (out, lse) if return_lse else out
 
 
