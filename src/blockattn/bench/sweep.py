@@ -15,7 +15,6 @@ The whole grid compiles two kernels per configuration (about 40 minutes on an H1
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -194,9 +193,7 @@ def heatmap(report: dict):
 
 
 def write_files(report: dict, out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "sweep.json"
-    json_path.write_text(json.dumps(report, indent=2))
+    json_path = harness.write_json(report, out_dir, "sweep.json")
     if not report["results"]:
         return [json_path]
     import matplotlib.pyplot as plt
