@@ -521,8 +521,8 @@ def test_sweep_without_gpu_says_so(capsys, tmp_path):
 
 def test_sweep_grid_and_its_restrictions():
     full = sweep.grid()
-    assert len(full) == len(set(full)) == 4 * 4 * 4 * (2 * 3 + 1)  # fp8: no rotary
-    assert all(c.rotary == "none" and c.passes == ("fwd",) for c in full if c.dtype == sweep.FP8)
+    assert len(full) == len(set(full)) == 4 * 4 * 4 * 3 * 3
+    assert all(c.passes == ("fwd",) for c in full if c.dtype == sweep.FP8)
     some = sweep.grid(block_sizes=(64,), dtypes=("float16",))
     assert {c.block_size for c in some} == {64} and {c.dtype for c in some} == {"float16"} and len(some) == 48
 
@@ -547,10 +547,14 @@ def test_sweep_on_the_cpu(fake_gpu, tmp_path):
     assert rows[(2, "none")]["fwd"]["floor_ms"] < rows[(8, "none")]["fwd"]["floor_ms"]  # GQA reads fewer k, v
     fp8_report = sweep.run(sweep.grid(block_sizes=(16,), head_dims=(32,), kv_heads=(2,), dtypes=(sweep.FP8,)),
                            rep_ms=1, query_elements=sweep.NUM_HEADS * 32 * 1000, device="cpu")
-    (fp8_row,) = fp8_report["results"]
-    assert "bwd" not in fp8_row  # fp8: q, k, v one byte per element, the bf16 output two
-    assert fp8_row["fwd"]["floor_ms"] * 3.0e9 == pytest.approx((8 + 2 * 2 + 2 * 8) * fp8_row["tokens"] * 32)
-    report["results"].append(fp8_row)
+    assert not fp8_report["failed"]
+    fp8_rows = {r["rotary"]: r for r in fp8_report["results"]}
+    # fp8: q, k, v one byte per element, the bf16 output two; the angles in fp32 or bf16
+    for rotary, angle_bytes in (("none", 0), ("fp32 angles", 4), ("input angles", 2)):
+        row = fp8_rows[rotary]
+        assert "bwd" not in row
+        assert row["fwd"]["floor_ms"] * 3.0e9 == pytest.approx((8 + 2 * 2 + 2 * 8 + angle_bytes) * row["tokens"] * 32)
+    report["results"] += fp8_report["results"]
     paths = sweep.write_files(report, tmp_path)
     assert json.loads(paths[0].read_text())["results"] == report["results"]
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -170,8 +170,30 @@ def test_validation_non_fp8_inputs_and_gradients():
         blockattn.block_attention(q, q, q, offsets, block_size=16, q_descale=torch.ones(1))
     with pytest.raises(ValueError, match="out_dtype apply to float8_e4m3fn inputs only"):
         blockattn.block_attention(q, q, q, offsets, block_size=16, out_dtype=torch.float16)
-    with pytest.raises(ValueError, match="the float8 forward is for inference"):
+    with pytest.raises(ValueError, match="the float8 forward is for inference: q must not require grad"):
         _call(q=torch.zeros(20, 2, 16).to(FP8).requires_grad_())
+    with pytest.raises(ValueError, match="inference: k_descale, pos_bias must not require grad"):
+        _call(k_descale=torch.ones(1, requires_grad=True), pos_bias=torch.zeros(2, 31, requires_grad=True))
+    with torch.no_grad():  # nothing is differentiated there
+        _call(pos_bias=torch.zeros(2, 31, requires_grad=True))
+    with pytest.raises(TypeError, match=r"time_bias must be float32, bfloat16 or float16 \(with float8 inputs\)"):
+        _call(time_bias=torch.zeros(2, 8).to(FP8), timestamps=torch.arange(20))
+
+
+def test_raw_op_defaults_to_a_bfloat16_output():
+    """Called as ``torch.ops.blockattn.block_attention_fwd`` without ``out_dtype`` (the public function always
+    passes one), fp8 inputs give bf16 in the fake and in the implementation alike."""
+    lengths = [20]
+    offsets = make_offsets(lengths)
+    (q, k, v), scales, exact = quantized_inputs(lengths, 2, 2, 16, "cpu")
+    op = torch.ops.blockattn.block_attention_fwd
+    out, *_ = op(q, k, v, offsets, None, 16, 0.25, 0, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
+    assert out.dtype == torch.bfloat16
+    with torch.device("meta"):
+        fake, *_ = op(*(t.to("meta") for t in (q, k, v, offsets)), None, 16, 0.25, 0,
+                      q_descale=torch.ones(1), k_descale=torch.ones(1), v_descale=torch.ones(1))
+    assert fake.dtype == torch.bfloat16
+    assert snr_db(out.double(), block_attention_reference(*exact, offsets, block_size=16, scale=0.25)) > 45
 
 
 @requires_gpu

@@ -8,6 +8,7 @@ import torch
 
 from . import checks, custom_ops
 from .block_table import BlockLayout, BlockTable
+from .ops import fp8
 from .ops.in_block import DEFAULT_BUCKET_WIDTH
 
 
@@ -130,8 +131,9 @@ def block_attention(
     timestamps = checks.in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q, offsets,
                                  block_size)
     if q.dtype == checks.FP8_DTYPE and out_dtype is None:
-        out_dtype = torch.bfloat16
-    checks.fp8_inference(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out_scale)
+        out_dtype = fp8.DEFAULT_OUT_DTYPE
+    checks.fp8_inference(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out_scale,
+                         {"pos_bias": pos_bias, "time_bias": time_bias})
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out = custom_ops.block_attention(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias,
                                      timestamps, time_bias, float(time_bucket_width), float(dropout_p),

@@ -117,7 +117,7 @@ def _sm90_why_not(call: AttentionCall) -> str | None:
 
 def _torch_why_not(call: AttentionCall) -> str | None:
     if call.dtype == FP8_DTYPE and devices.kernels_run_on(call.device):
-        return "fp8 on a GPU is the kernels' (refused where they cannot run it, never run slowly here)"
+        return "fp8 on a GPU the kernels serve is theirs (refused below compute capability 8.9, not run slowly here)"
     return None
 
 

@@ -127,10 +127,11 @@ def attention(q, k, v, offsets_, block, scale) -> None:
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 
 
-def fp8_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple, out_dtype,
-                  out_scale) -> None:
+def fp8_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple, out_dtype, out_scale,
+                  biases: dict) -> None:
     """float8 inputs of block attention (forward only), their descales and the output's dtype and scale; for other
-    inputs, that none of these is given."""
+    inputs, that none of these is given. ``biases``: the in-block bias tables by name (None where absent), which
+    must not require grad with fp8 inputs either."""
     _descales(q.dtype, q.device, descales)
     if q.dtype != FP8_DTYPE:
         given = [name for name, value in (("out_dtype", out_dtype), ("out_scale", out_scale)) if value is not None]
@@ -147,9 +148,12 @@ def fp8_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: t
         if out_scale.numel() != 1 or out_scale.dtype != torch.float32 or out_scale.device != q.device:
             raise ValueError(f"out_scale must be a 1-element float32 tensor on the device of q ({q.device}), got "
                              f"{_describe(out_scale)}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("the float8 forward is for inference: q, k, v must not require grad (call it under "
-                         "torch.no_grad() or detach them)")
+    if torch.is_grad_enabled():
+        named = {"q": q, "k": k, "v": v, **dict(zip(("q_descale", "k_descale", "v_descale"), descales)), **biases}
+        needing = [name for name, t in named.items() if t is not None and t.requires_grad]
+        if needing:
+            raise ValueError(f"the float8 forward is for inference: {', '.join(needing)} must not require grad "
+                             "(call it under torch.no_grad() or detach them)")
 
 
 def sinu_pos(angles, x: torch.Tensor, x_name: str) -> None:
@@ -338,14 +342,18 @@ def cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> None:
 
 
 def _bias_table(name: str, bias, shape: tuple[int, int], what: str, q: torch.Tensor) -> None:
-    """A learnable bias ``[Hq, width]`` in float32 or ``q``'s dtype, on ``q``'s device."""
+    """A learnable bias ``[Hq, width]`` in float32 or ``q``'s dtype (with float8 inputs: float32, bfloat16 or
+    float16), on ``q``'s device."""
     tensor(name, bias, optional=True)
     if bias.dim() != 2 or bias.shape[0] != shape[0] or (shape[1] and bias.shape[1] != shape[1]) or not bias.shape[1]:
         expected = f"[{shape[0]}, {shape[1]}]" if shape[1] else f"[{shape[0]}, num_buckets >= 1]"
         raise ValueError(f"{name} must be [num_heads, {what}] = {expected}, got {tuple(bias.shape)}")
-    dtypes = tuple(dict.fromkeys((torch.float32, q.dtype)))
+    if q.dtype == FP8_DTYPE:
+        dtypes, why = (torch.float32, torch.bfloat16, torch.float16), "with float8 inputs"
+    else:
+        dtypes, why = tuple(dict.fromkeys((torch.float32, q.dtype))), "float32 or the dtype of q"
     if bias.dtype not in dtypes:
-        raise TypeError(f"{name} must be {_dtype_names(dtypes)} (float32 or the dtype of q), got {bias.dtype}")
+        raise TypeError(f"{name} must be {_dtype_names(dtypes)} ({why}), got {bias.dtype}")
     if bias.device != q.device:
         raise ValueError(f"{name} must be on the device of q ({q.device}), got {bias.device}")
 

@@ -26,7 +26,7 @@ from . import backends
 from .backends import FLASH_BACKENDS, AttentionCall, FlashCall
 from .block_table import BlockTable, build_block_table, check_offsets, empty_block_table
 from .devices import kernels_run_on
-from .ops import tiles
+from .ops import fp8, tiles
 from .ops.block_attention_torch import rotary_torch
 from .ops.fp8 import Fp8Scales
 from .ops.in_block import DEFAULT_BUCKET_WIDTH, InBlock
@@ -172,7 +172,8 @@ def _block_attention_fwd(
     built, or 0-element tensors where a layout's table was passed in (``block_cum``, ``block_seq``). float8 inputs
     come with their descales and the output's dtype (and scale, for an fp8 output): ``ops.fp8``."""
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
-    scales = None if q_descale is None else Fp8Scales(q_descale, k_descale, v_descale, out_dtype, out_scale)
+    scales = None if q_descale is None else Fp8Scales(q_descale, k_descale, v_descale,
+                                                      out_dtype or fp8.DEFAULT_OUT_DTYPE, out_scale)
     return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options, block_cum, block_seq, scales)
 
 
@@ -183,7 +184,8 @@ block_attention_fwd = torch.library.custom_op("blockattn::block_attention_fwd", 
 def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_bias=None, timestamps=None,
       time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None, block_cum=None,
       block_seq=None, q_descale=None, k_descale=None, v_descale=None, out_scale=None, out_dtype=None):
-    return (torch.empty_like(q, dtype=out_dtype or q.dtype),
+    default = fp8.DEFAULT_OUT_DTYPE if q.dtype == fp8.FP8_DTYPE else q.dtype
+    return (torch.empty_like(q, dtype=out_dtype or default),
             *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum))
 
 

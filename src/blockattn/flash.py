@@ -7,6 +7,7 @@ import math
 import torch
 
 from . import checks, custom_ops
+from .ops import fp8
 
 _DOC_COMMON = """
     Under ``causal``, query ``i`` sees keys ``j <= i`` (``causal_alignment="top_left"``, as
@@ -51,7 +52,7 @@ def _attend(q, k, v, cu_seqlens, max_seqlens, *, causal, causal_alignment, scale
                          "torch.no_grad() or detach them)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if out_dtype is None:
-        out_dtype = torch.bfloat16 if q.dtype == checks.FP8_DTYPE else q.dtype
+        out_dtype = fp8.DEFAULT_OUT_DTYPE if q.dtype == checks.FP8_DTYPE else q.dtype
     out, lse = custom_ops.flash_attention(q, k, v, *cu_seqlens, *max_seqlens, scale, causal,
                                           causal_alignment == "bottom_right", out_dtype, q_descale, k_descale,
                                           v_descale, variant)

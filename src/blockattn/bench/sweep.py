@@ -3,13 +3,14 @@ rotary, forward and backward, each as time over its own memory floor; a table, `
 ``sweep.png``.
 
 Rotary is ``none``, ``fp32 angles`` (``sinu_pos`` in float32, as a user builds it) or ``input angles`` (in the
-inputs' dtype: half the angle bytes); each floor counts its own angle bytes. Every configuration runs on
-``ads``-like lengths (800 to 2000 tokens) with 8 query heads and as many sequences as make about 2**27 query
-elements (256 MiB of 16-bit queries, enough to fill an H100 or H200). Times: the forward through
-``block_attention``, the backward op alone from the forward's block table (as in ``bench``).
+inputs' dtype, bf16 for fp8: half the angle bytes); each floor counts its own angle bytes. fp8 is the forward only
+(inference: q, k, v quantised per tensor from bf16, bf16 output). Every configuration runs on ``ads``-like
+lengths (800 to 2000 tokens) with 8 query heads and as many sequences as make about 2**27 query elements (256 MiB
+of 16-bit queries, enough to fill an H100 or H200). Times: the forward through ``block_attention``, the backward
+op alone from a block table built beforehand (as in ``bench``).
 
-The whole grid compiles two kernels per configuration (about 40 minutes on an H100 host); ``--block-size``,
-``--head-dim``, ``--kv-heads`` and ``--dtype`` restrict its axes to split it across runs.
+The whole grid is 576 configurations, each compiling its kernels (28 of them took about 4 minutes on an H100);
+``--block-size``, ``--head-dim``, ``--kv-heads`` and ``--dtype`` restrict its axes to split it across runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 import blockattn
 from blockattn.ops.tiles import ROTATE_ALL, ROTATE_NONE
+from blockattn.reference import quantised_fp8
 
 from . import harness
 from .presets import Workload
@@ -31,7 +33,7 @@ BLOCK_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (32, 64, 128, 256)
 NUM_HEADS = 8
 KV_HEADS = (8, 4, 2, 1)  # GQA ratios 1, 2, 4 and 8 (MQA)
-FP8 = "float8_e4m3fn"  # forward only (inference), no rotary, bf16 output
+FP8 = "float8_e4m3fn"  # forward only (inference), bf16 output
 DTYPES = ("bfloat16", "float16", FP8)
 ROTARY = ("none", "fp32 angles", "input angles")
 PASSES = ("fwd", "bwd")
@@ -60,38 +62,39 @@ class Config:
 
 def grid(block_sizes=BLOCK_SIZES, head_dims=HEAD_DIMS, kv_heads=KV_HEADS, dtypes=DTYPES,
          rotary=ROTARY) -> list[Config]:
-    """The configurations of the axes' values; fp8 without a rotary only (the fp8 forward has none)."""
-    return [Config(*values) for values in itertools.product(block_sizes, head_dims, kv_heads, dtypes, rotary)
-            if values[3] != FP8 or values[4] == "none"]
+    """Every configuration of the axes' values."""
+    return [Config(*values) for values in itertools.product(block_sizes, head_dims, kv_heads, dtypes, rotary)]
 
 
-def _fp8_forward(case, w: Workload, n: int, tbps: float):
+def _fp8_forward(case, w: Workload, n: int, sinu_pos: torch.Tensor | None, angle_bytes: int, tbps: float):
     """The fp8 forward of ``case``'s inputs (quantised per tensor, bf16 output) and its floor: q, k, v read as one
-    byte per element, the bf16 output written."""
-    scales = [t.abs().amax().float().reshape(1) / 448.0 for t in case.inputs]
-    q8, k8, v8 = ((t / s).to(torch.float8_e4m3fn) for t, s in zip(case.inputs, scales))
-    per_head = n * w.head_dim
+    byte per element, the bf16 output written, the angles read."""
+    (q8, q_descale), (k8, k_descale), (v8, v_descale) = (quantised_fp8(t) for t in case.inputs)
 
     def forward():
         return blockattn.block_attention(q8, k8, v8, case.offsets, block_size=case.block_size, scale=case.scale,
-                                         q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
+                                         sinu_pos=sinu_pos, q_descale=q_descale, k_descale=k_descale,
+                                         v_descale=v_descale)
 
-    return forward, (w.heads + 2 * w.kv_heads + 2 * w.heads) * per_head / (tbps * 1e12) * 1e3
+    floor_bytes = (w.heads + 2 * w.kv_heads + 2 * w.heads) * n * w.head_dim + angle_bytes
+    return forward, floor_bytes / (tbps * 1e12) * 1e3
 
 
-def _angles(config: Config, num_tokens: int, device, generator) -> torch.Tensor | None:
+def _angles(config: Config, w: Workload, num_tokens: int, device, generator) -> torch.Tensor | None:
+    """``sinu_pos`` of ``config.rotary``: float32, or the workload's dtype ("input angles"; bf16 for fp8, whose
+    inputs are quantised from bf16)."""
     if config.rotary == "none":
         return None
     theta = torch.rand(num_tokens, config.head_dim // 2, device=device, generator=generator) * 2 * math.pi
     sinu_pos = torch.cat([theta.sin(), theta.cos()], dim=1)
-    return sinu_pos if config.rotary == "fp32 angles" else sinu_pos.to(getattr(torch, config.dtype))
+    return sinu_pos if config.rotary == "fp32 angles" else sinu_pos.to(w.torch_dtype)
 
 
 def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed: int, device: str) -> dict:
     w = config.workload(query_elements)
     case = harness.make_case(w, w.offsets(seed, device=device), seed)
     n = case.q.shape[0]
-    sinu_pos = _angles(config, n, device, torch.Generator(device=device).manual_seed(seed + 1))
+    sinu_pos = _angles(config, w, n, device, torch.Generator(device=device).manual_seed(seed + 1))
     rotate = ROTATE_NONE if sinu_pos is None else ROTATE_ALL
     angle_bytes = 0 if sinu_pos is None else sinu_pos.numel() * sinu_pos.element_size()
     floors = {p: (b + angle_bytes) / (tbps * 1e12) * 1e3 for p, b in harness.floor_bytes(w, n).items()}
@@ -106,7 +109,7 @@ def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed
             **case.table._asdict(), block_size=case.block_size, scale=case.scale, rotate=rotate)
 
     if config.dtype == FP8:
-        forward, floors["fwd"] = _fp8_forward(case, w, n, tbps)
+        forward, floors["fwd"] = _fp8_forward(case, w, n, sinu_pos, angle_bytes, tbps)
     row = {**asdict(config), "tokens": n, "gqa": NUM_HEADS // config.kv_heads}
     for pass_name, fn in zip(config.passes, (forward, backward)):
         ms = harness.time_ms(fn, rep_ms)

@@ -608,8 +608,7 @@ def block_attention_fwd_triton(
     """Launch the forward kernel over ``table``; returns ``out``. Arguments are those the dispatcher passes
     (``backends``), checked; ``rotate`` is a mask of ``tiles.ROTATE_BITS`` (0 without ``sinu_pos``): those operands
     are turned by ``sinu_pos`` after loading; ``options`` the in-block options; ``fp8_scales`` those of fp8 inputs
-    (``ops.fp8``; not with a rotary). ``num_warps`` and ``maxnreg`` (a register cap) override the tuned launch, for
-    tuning sweeps."""
+    (``ops.fp8``). ``num_warps`` and ``maxnreg`` (a register cap) override the tuned launch, for tuning sweeps."""
     n, hq, d = q.shape
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))

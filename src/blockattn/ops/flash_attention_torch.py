@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from . import fp8
+
 QUERY_CHUNK = 1024
 
 
@@ -32,7 +34,7 @@ def flash_attention_fwd_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale: float,
     dense = cu_seqlens_q is None
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     if descales is not None:
-        q, k, v = (t.to(compute) * s.to(compute) for t, s in zip((q, k, v), descales))
+        q, k, v = (fp8.dequantized(t, s, compute) for t, s in zip((q, k, v), descales))
     q, k, v = (t.to(compute) for t in (q, k, v))
     if dense:
         batch, seqlen_q = q.shape[:2]

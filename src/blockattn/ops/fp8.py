@@ -17,6 +17,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 # The largest finite e4m3fn value: fp8 outputs saturate to it rather than overflow to NaN.
 FP8_MAX = 448.0
+# The output of fp8 inputs where no out_dtype is given.
+DEFAULT_OUT_DTYPE = torch.bfloat16
 
 
 class Fp8Scales(NamedTuple):
@@ -39,9 +41,9 @@ def no_scales_args(like: torch.Tensor) -> dict:
     return dict.fromkeys(("q_descale_ptr", "k_descale_ptr", "v_descale_ptr", "out_scale_ptr"), like)
 
 
-def dequantized(t: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    """``t * descale`` in float32 (the PyTorch path's and the tests' view of an fp8 input)."""
-    return t.float() * descale
+def dequantized(t: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``t * descale`` in ``dtype`` (the PyTorch paths' view of an fp8 input)."""
+    return t.to(dtype) * descale.to(dtype)
 
 
 def output(out: torch.Tensor, scales: Fp8Scales) -> torch.Tensor:
