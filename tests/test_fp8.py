@@ -40,7 +40,7 @@ def as_float64(out, out_scale):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32, FP8])
 @pytest.mark.parametrize("block_size", [16, 64] + ([32, 128] if HAS_GPU else []))
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1)])
-def test_kernel_matches_dequantised_reference(out_dtype, block_size, hq, hkv):
+def test_kernel_matches_dequantised_reference(out_dtype, block_size, hq, hkv, poisoned_outputs):
     lengths = odd_lengths(block_size)
     offsets = make_offsets(lengths, KERNEL_DEVICE)
     (q, k, v), scales, exact = quantized_inputs(lengths, hq, hkv, 32, KERNEL_DEVICE)
@@ -49,13 +49,14 @@ def test_kernel_matches_dequantised_reference(out_dtype, block_size, hq, hkv):
     out = triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, block_size, 32**-0.5, None, 0, PLAIN,
                                                 fp8.Fp8Scales(*scales, out_dtype, out_scale))
     assert out.dtype == out_dtype and out.shape == q.shape
+    assert not out.float().isnan().any()  # every element written (outputs start as NaN)
     ref = block_attention_reference(*exact, offsets, block_size=block_size)
     assert snr_db(as_float64(out, out_scale), ref) > MIN_SNR_DB[out_dtype]
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("rotate", [("q", "k"), ("q", "k", "v")])
-def test_kernel_fused_rotary(out_dtype, rotate):
+def test_kernel_fused_rotary(out_dtype, rotate, poisoned_outputs):
     """fp8 with a fused rotary: the dequantised operands turned (and rounded to fp16) in the kernel, against the
     reference of the turned dequantised inputs."""
     from conftest import random_angles
@@ -73,6 +74,7 @@ def test_kernel_fused_rotary(out_dtype, rotate):
     mask = sum(ROTATE_BITS[name] for name in rotate)
     out = triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 32, 64**-0.5, sinu_pos, mask, PLAIN,
                                                 fp8.Fp8Scales(*scales, out_dtype, out_scale))
+    assert not out.float().isnan().any()  # every element written (outputs start as NaN)
     turned = [rotary_reference(t, sinu_pos.double()) if name in rotate else t for name, t in zip("qkv", exact)]
     ref = block_attention_reference(*turned, offsets, block_size=32)
     assert snr_db(as_float64(out, out_scale), ref) > MIN_SNR_DB[out_dtype]
