@@ -9,8 +9,9 @@ lengths (800 to 2000 tokens) with 8 query heads and as many sequences as make ab
 of 16-bit queries, enough to fill an H100 or H200). Times: the forward through ``block_attention``, the backward
 op alone from a block table built beforehand (as in ``bench``).
 
-The whole grid is 576 configurations, each compiling its kernels (28 of them took about 4 minutes on an H100);
-``--block-size``, ``--head-dim``, ``--kv-heads`` and ``--dtype`` restrict its axes to split it across runs.
+The whole grid is 576 configurations, each compiling its kernels (28 of them took about 70 s on an H100 at
+``--rep-ms 20``, so the grid about 25 minutes); ``--block-size``, ``--head-dim``, ``--kv-heads`` and ``--dtype``
+restrict its axes to split it across runs.
 """
 
 from __future__ import annotations
