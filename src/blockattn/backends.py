@@ -147,7 +147,8 @@ BACKENDS: dict[str, Backend] = {
         Backend("sm90-gluon", "Hopper backward in Gluon: TMA loads, wgmma on whole rows (64-token blocks, D = 128, "
                 "no GQA, fp16/bf16, plain or rotary, no in-block options)", _sm90_why_not,
                 backward=None if sm90_ops is None else sm90_ops.block_attention_bwd_sm90),
-        Backend("triton", "Triton kernels, every supported shape, NVIDIA GPUs from Ampere on", _triton_why_not,
+        Backend("triton", "Triton kernels, every supported shape, NVIDIA GPUs from Ampere on (the float8 forward "
+                "from Ada on)", _triton_why_not,
                 forward=triton_ops.block_attention_fwd_triton, backward=triton_ops.block_attention_bwd_triton),
         Backend("torch", "PyTorch ops on padded blocks, any device (the CPU path; the fallback elsewhere)",
                 _torch_why_not, forward=torch_ops.block_attention_fwd_torch,
