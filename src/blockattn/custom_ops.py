@@ -6,8 +6,8 @@ take a shorter route to the same implementations (:func:`eager_route`): a ``torc
 them directly (or a direct call where nothing needs a gradient, and for the forward-only flash op), since the
 custom op's dispatch and autograd wrapper cost more host time than the kernels of a small batch. Each attention op
 asks ``backends.select`` which backend runs it; the rotary op runs its Triton kernel where
-``devices.kernels_run_on`` says the kernels run, else PyTorch. The forwards also return the block table they built, so that the backwards
-reuse it instead of building it again.
+``devices.kernels_run_on`` says the kernels run, else PyTorch. The forwards also return the block table they
+built, so that the backwards reuse it instead of building it again.
 
 Three families: ``rotary`` (``apply_rotary``), ``block_attention_*`` on separate ``q, k, v`` and
 ``qkv_block_attention_*`` on one packed ``[N, (Hq + 2 Hkv) * D]`` projection, whose backward writes the packed
