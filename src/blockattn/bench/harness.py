@@ -305,7 +305,7 @@ def run(workloads: list[Workload], passes: list[str], baselines: list[str], rep_
         report.workloads.append(entry)
         try:
             _bench_workload(report, entry, w, offsets, passes, baselines, rep_ms, seed, progress, task)
-        except Exception as error:  # noqa: BLE001 -- the workloads after it still run, and the report keeps what was measured
+        except Exception as error:  # noqa: BLE001 -- the later workloads still run; the report keeps what was timed
             entry["failed"] = describe(error)
         finally:
             free_memory()
