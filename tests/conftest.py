@@ -170,6 +170,20 @@ def assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, names=("
         assert err <= bound, f"{name}: max error {err:.3e} > 2 x PyTorch's {pt_err:.3e} + one rounding"
 
 
+def assert_eager_route_matches_the_ops(run, probe: torch.Tensor, monkeypatch) -> None:
+    """``run()`` (a list of tensors) by the eager route (``custom_ops.eager_route``, which ``probe`` takes) and then
+    through the custom ops alone give bitwise the same tensors."""
+    from blockattn import custom_ops
+
+    assert custom_ops.eager_route(probe)
+    eager = run()
+    monkeypatch.setattr(custom_ops, "eager_route", lambda *tensors: False)
+    through_ops = run()
+    assert len(through_ops) == len(eager)
+    for got, want in zip(through_ops, eager):
+        assert torch.equal(got, want)
+
+
 def capture_cuda_graph(step):
     """A CUDA graph of ``step()`` (run once on a side stream first, so kernels compile outside the capture), and
     what the captured call returned."""

@@ -7,6 +7,7 @@ from conftest import (
     BLOCK_SIZES,
     KERNEL_DEVICE,
     KERNEL_DTYPES,
+    assert_eager_route_matches_the_ops,
     assert_within_2x_pytorch,
     make_offsets,
     odd_lengths,
@@ -203,8 +204,6 @@ def test_eager_route_and_custom_op_give_the_same_results(packed, monkeypatch):
     """The eager route (the ops' implementations under a ``torch.autograd.Function``, or called directly where
     nothing needs a gradient) and the custom ops' own autograd compute bitwise the same outputs and gradients,
     biases' included."""
-    from blockattn import custom_ops
-
     q, k, v, do, offsets = random_inputs(odd_lengths(16), 4, 2, 16, torch.float32, "cpu")
     pos_bias = torch.randn(4, 31)
     x, w = torch.randn(q.shape[0], 24), torch.randn(24, 8 * 16)
@@ -223,11 +222,7 @@ def test_eager_route_and_custom_op_give_the_same_results(packed, monkeypatch):
         assert inference.grad_fn is None and not inference.requires_grad
         return [out, inference, *torch.autograd.grad(out, leaves, do)]
 
-    assert custom_ops.eager_route(q)
-    eager = run()
-    monkeypatch.setattr(custom_ops, "eager_route", lambda *tensors: False)
-    for got, want in zip(run(), eager):
-        assert torch.equal(got, want)
+    assert_eager_route_matches_the_ops(run, q, monkeypatch)
 
 
 def test_eager_route_leaves_modes_subclasses_and_meta_to_the_ops():

@@ -5,7 +5,15 @@ import math
 
 import pytest
 import torch
-from conftest import HAS_GPU, KERNEL_DEVICE, absolute_slack, capture_cuda_graph, make_offsets, requires_gpu
+from conftest import (
+    HAS_GPU,
+    KERNEL_DEVICE,
+    absolute_slack,
+    assert_eager_route_matches_the_ops,
+    capture_cuda_graph,
+    make_offsets,
+    requires_gpu,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -258,8 +266,6 @@ def test_compile_fullgraph():
 def test_eager_route_and_custom_op_give_the_same_results(monkeypatch):
     """Eager calls run the op's implementation directly (``custom_ops.eager_route``); through the custom op the
     results are bitwise the same, dense and varlen."""
-    from blockattn import custom_ops
-
     q, k, v, cu_q, cu_k = packed_inputs([7, 0, 20], [9, 3, 20], 4, 2, 32,
                                         torch.float16 if HAS_GPU else torch.float32, KERNEL_DEVICE)
 
@@ -268,11 +274,7 @@ def test_eager_route_and_custom_op_give_the_same_results(monkeypatch):
                 *blockattn.flash_attention(q[:20].unsqueeze(0), k[:20].unsqueeze(0), v[:20].unsqueeze(0),
                                            return_lse=True)]
 
-    assert custom_ops.eager_route(q)
-    eager = run()
-    monkeypatch.setattr(custom_ops, "eager_route", lambda *tensors: False)
-    for got, want in zip(run(), eager):
-        assert torch.equal(got, want)
+    assert_eager_route_matches_the_ops(run, q, monkeypatch)
 
 
 def test_opcheck():
