@@ -11,6 +11,7 @@ from conftest import (
     assert_within_2x_pytorch,
     make_offsets,
     odd_lengths,
+    random_angles,
     random_inputs,
     reference_grads,
     run_backend,
@@ -22,6 +23,8 @@ from hypothesis import strategies as st
 import blockattn
 from blockattn.block_table import build_block_table, scan_blocks
 from blockattn.ops import block_attention as triton_ops
+from blockattn.ops.in_block import PLAIN
+from blockattn.ops.tiles import ROTATE_ALL
 from blockattn.reference import block_attention_reference
 
 
@@ -61,7 +64,7 @@ def test_kernels_odd_lengths_gqa(block_size, dtype, poisoned_outputs):
 @pytest.mark.parametrize(
     "block_size,head_dim,hq,hkv",
     [(16, 16, 1, 1), (32, 24, 3, 3), (16, 40, 2, 1), (64, 64, 2, 2), (16, 256, 2, 2), (32, 200, 4, 1),
-     (64, 128, 2, 2), (64, 128, 4, 2), (64, 72, 1, 1)],
+     (64, 128, 2, 2), (64, 128, 4, 2), (64, 72, 1, 1), (128, 96, 2, 2), (64, 256, 1, 1)],
 )
 def test_kernels_head_dims(block_size, head_dim, hq, hkv, poisoned_outputs):
     q, k, v, do, offsets = random_inputs(odd_lengths(block_size), hq, hkv, head_dim, torch.float16, KERNEL_DEVICE)
@@ -75,15 +78,49 @@ def test_kernels_split_head_dim(poisoned_outputs):
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, 128), q, k, v, do, offsets, 128)
 
 
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("grad_layout", ["same", "transposed"])
-def test_kernels_persistent_backward(grad_layout, poisoned_outputs):
-    """64-token blocks at D = 128 without GQA: the backward loops over many blocks per program, pipelined, when the
-    inputs and gradients share one layout; a grad_out with its own strides gets its own tile of offsets."""
-    assert triton_ops.kernel_config(64, 128, backward=True)["PIPELINE_STAGES"] > 1
-    q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 7, 129], 2, 2, 128, torch.float16, KERNEL_DEVICE)
+def test_kernels_persistent_backward(grad_layout, hq, hkv, poisoned_outputs):
+    """64-token blocks at D = 128: the backward loops over many (block, kv head) items per program, pipelined,
+    accumulating dk and dv over a GQA group's steps, when q and dq share one layout and k, v, dk, dv another; a
+    grad_out with its own strides gets its own tile of offsets."""
+    assert triton_ops.kernel_config(64, 128, backward=True, group=hq // hkv)["PIPELINE_STAGES"] > 1
+    q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 7, 129], hq, hkv, 128, torch.float16,
+                                         KERNEL_DEVICE)
     if grad_layout == "transposed":
         do = do.transpose(0, 1).contiguous().transpose(0, 1)
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, 64), q, k, v, do, offsets, 64)
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_backward_chunk_override(chunk, rotary):
+    """The tuning overrides of the backward's head-dim slice (whole rows, or two slices, under GQA), of the GQA
+    loop's pipelining and of the persistent kernel's depth give the default launch's gradients; widths the kernels
+    cannot take, and the persistent kernel with a rotary, are refused."""
+    q, k, v, do, offsets = random_inputs(odd_lengths(16), 4, 2, 64, torch.float16, KERNEL_DEVICE)
+    sinu_pos, rotate = (random_angles(q.shape[0], 64, device=KERNEL_DEVICE), ROTATE_ALL) if rotary else (None, 0)
+    table = build_block_table(offsets, q.shape[0], 16)
+
+    def grads(**override):
+        out = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        triton_ops.block_attention_bwd_triton(do, q, k, v, offsets, table, 16, 0.125, sinu_pos, rotate, PLAIN, out,
+                                              **override)
+        return out
+
+    default = grads()
+    overrides = [{"chunk": chunk}, {"chunk": chunk, "group_stages": 2}, {"pipeline_stages": 1}]
+    if not rotary:
+        overrides.append({"pipeline_stages": 2})
+    for override in overrides:
+        for got, want in zip(grads(**override), default):
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    for bad in (8 if not rotary else 16, 48, 128):
+        with pytest.raises(ValueError, match="chunk must be a power of two"):
+            grads(chunk=bad)
+    if rotary:
+        with pytest.raises(ValueError, match="takes no rotary"):
+            grads(pipeline_stages=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

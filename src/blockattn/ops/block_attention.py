@@ -71,43 +71,60 @@ from .tiles import (
 _FP8_MAX = tl.constexpr(fp8.FP8_MAX)
 
 
+def _min_chunk(rotary: bool) -> int:
+    # With a fused rotary the kernels work on pair halves of a slice, each at least 16 wide for the tensor cores.
+    return 32 if rotary else 16
+
+
 @functools.cache  # read-only: one mapping per shape, computed once (launches are host-bound on small batches)
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
                   rotary: bool = False) -> MappingProxyType:
-    """Compile-time shape and launch of a kernel, as measured best on an H200 (docs/benchmarks.md).
+    """Compile-time shape and launch of a kernel, by a rule measured on an H100 (the 4-warp default and the MHA
+    persistent kernel also on an H200; docs/benchmarks.md).
 
-    Head-dim slices are at most 64 x 128 elements in the forward and 64 x 64 in the backward, which holds more
-    tiles at once (larger slices spill registers). One exception: the backward of 64-token blocks with
-    64 < D <= 128, 16-bit inputs and no GQA group takes whole rows in a persistent loop that prefetches the next
-    block's tiles three deep (1.12x the memory floor on the `ads` preset, against 1.28x for 64-wide slices); fp32
-    tiles would not fit three deep in shared memory.
+    Head-dim slices of at most 64 x 128 elements in the forward. The backward takes whole rows up to 128 x 128
+    elements for 16-bit inputs without GQA (128-token blocks at D = 128 and 64-token blocks at D = 256: 1.54x and
+    1.36x the floor on an H100, against 2.34x and 1.49x for 64 x 64 slices), in slices of 128 x 128 beyond; else
+    64 x 64 slices, which hold more tiles at once (wider ones spill registers, and a GQA group's two-stage loop
+    runs out of shared memory at 128 x 128).
+
+    The backward of 64-token blocks with 64 < D <= 128 and 16-bit inputs runs a persistent loop that prefetches the
+    next step's tiles three deep (the dispatcher sends the one without GQA to ``block_attention_sm90`` on Hopper
+    GPUs); fp32 tiles would not fit three deep in shared memory. Under GQA its steps run the group's query heads
+    of a block in turn (1.24x and 1.47x the floor at 2:1 and 4:1 on an H100, against 2.18x and 2.42x for one
+    program per block and 64-wide slice). A GQA group's loop in the one-block kernel is pipelined two deep
+    (``GROUP_STAGES``: 1.26x against 1.54x at D = 64, 4:1).
+
+    Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), whole-row dk and dv accumulators
+    of 128+ columns across a GQA group, or slices wider than 64 x 128; else 4, which beat 2 and 8 at 64-token blocks
+    (H200; 8 lose by 1.8x at D = 64 under GQA). The 16-bit forward with a fused rotary under GQA takes 8 (1.32x
+    against 1.55x at 4:1), without GQA or with fp8 inputs 4.
 
     With a fused rotary the kernels work on pair halves, which must be at least 16 wide for the tensor cores:
-    slices are at least 32 columns. Measured on an H100 at the `ads-rotary` shape (docs/benchmarks.md): the
-    persistent backward loses there (1.72x its floor against 1.30x for one whole-row block per program, measured
-    side by side; the latter is 1.18x now), as do 8 warps and register caps in either pass.
-
-    On Hopper GPUs the dispatcher sends the backward of the production shape to ``block_attention_sm90``.
+    slices are at least 32 columns and at most 64 x 128 elements, and the backward does not run persistent (1.72x
+    its floor against 1.30x for one whole-row block per program at `ads-rotary`, H100).
     """
-    min_width = 32 if rotary else 16
+    min_width = _min_chunk(rotary)
     block_d = max(min_width, triton.next_power_of_2(head_dim))
-    pipelined = (backward and not rotary and group == 1 and block_size == 64 and 64 < block_d <= 128
-                 and element_size == 2)
-    max_slice = 64 * 64 if backward and not (pipelined or rotary) else 64 * 128
+    pipelined = backward and not rotary and block_size == 64 and 64 < block_d <= 128 and element_size == 2
+    if not backward or rotary or pipelined:
+        max_slice = 64 * 128
+    elif group == 1 and element_size <= 2:
+        max_slice = 128 * 128
+    else:
+        max_slice = 64 * 64
     chunk = min(block_d, max(min_width, max_slice // block_size))
+    wide = block_size * chunk > 64 * 128 or (backward and group > 1 and chunk >= 128)
+    rotary_gqa_fwd = not backward and rotary and group > 1 and element_size == 2
     return MappingProxyType({
         "BLOCK_D": block_d,
         "CHUNK": chunk,
         "NUM_CHUNKS": triton.cdiv(block_d, chunk),
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
+        "GROUP_STAGES": 2 if backward and group > 1 and not rotary else 1,
+        "NUM_WARPS": 8 if block_size == 128 or wide or rotary_gqa_fwd else 4,
     })
-
-
-def _num_warps(block_size: int) -> int:
-    # On an H200 4 warps beat 2 and 8 for 64-token blocks at D = 64 and 128, in both passes, even where 8 would
-    # spill fewer registers (docs/benchmarks.md). 128-token blocks hold a 128 x 128 fp32 score tile: 8 warps.
-    return 8 if block_size == 128 else 4
 
 
 @triton.jit
@@ -229,11 +246,14 @@ def _block_attention_fwd_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr,
+    FP8_QK: tl.constexpr,
 ):
     # Heads vary fastest so that the programs of one block (which share its rows, and k/v under GQA) run together.
     # ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the operands turned by the rotary angles right after their load;
     # IN_BLOCK one of the in-block options (ops.in_block: causal, biases, dropout), whose arguments are ``mods``.
-    # FP8: q, k, v are float8_e4m3fn, widened to fp16 after loading, and descaled (ops.fp8).
+    # FP8: q, k, v are float8_e4m3fn, widened to fp16 after loading, and descaled (ops.fp8). FP8_QK: q k^T on fp8
+    # tensor cores instead (no widening; slices 32+ wide): 1.28x its floor against 1.42x widened at `ads` with GQA
+    # 4:1 (H100). Hopper sums fp8 products with fewer bits than fp32, within the tested SNR bounds.
     pid = tl.program_id(0)
     slot = pid // NUM_Q_HEADS
     head = pid % NUM_Q_HEADS
@@ -268,9 +288,9 @@ def _block_attention_fwd_kernel(
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
         q = _widened(tl.load(tile_ptrs(q_base, rows, c * CHUNK, stride_qn, stride_qd, CHUNK), mask=mask, other=0.0),
-                     FP8)
+                     FP8 and not FP8_QK)
         k = _widened(tl.load(tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0),
-                     FP8)
+                     FP8 and not FP8_QK)
         scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
     p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK)
     if FP8:
@@ -332,7 +352,7 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
                       GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SLICES_PER_PROGRAM: tl.constexpr,
                       ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, WIDE_STORES: tl.constexpr,
-                      NUM_Q_HEADS: tl.constexpr, IN_BLOCK: tl.constexpr):
+                      NUM_Q_HEADS: tl.constexpr, IN_BLOCK: tl.constexpr, GROUP_STAGES: tl.constexpr):
     """``_block_attention_bwd_kernel``'s program on pair halves: GQA and head-dim slices, rotated operands. The
     softmax scale is folded into dS (one multiply per score instead of one per gradient element)."""
     PAIRS: tl.constexpr = CHUNK // 2
@@ -342,7 +362,7 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
     dk_odd = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
     dv_even = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
     dv_odd = tl.zeros((BLOCK_SIZE, PAIRS), dtype=tl.float32)
-    for g in range(GROUP):
+    for g in tl.range(GROUP, num_stages=GROUP_STAGES):
         head = kv_head * GROUP + g
         q_base = q_ptr + head * stride_qh
         do_base = do_ptr + head * stride_doh
@@ -425,12 +445,13 @@ def _block_attention_bwd_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLICES_PER_PROGRAM: tl.constexpr, ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, WIDE_STORES: tl.constexpr,
-    IN_BLOCK: tl.constexpr,
+    IN_BLOCK: tl.constexpr, GROUP_STAGES: tl.constexpr,
 ):
     # Each program owns SLICES_PER_PROGRAM of the NUM_CHUNKS head-dim slices of one (block, kv head): it recomputes
     # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
     # as soon as it is computed. With GQA a program owns one slice and loops over the GROUP query heads that share
-    # the kv head, accumulating that slice of dk/dv in registers. No atomics: bitwise reproducible.
+    # the kv head, accumulating that slice of dk/dv in registers (GROUP_STAGES > 1 software-pipelines that loop:
+    # the next head's tiles load while this one computes). No atomics: bitwise reproducible.
     # With a rotary (ROTATE, bits tiles.ROTATE_Q/K/V) the same program runs on pair halves (_bwd_rotary_block):
     # operands are rotated after every load and their gradients turned back before the store. IN_BLOCK: as in the
     # forward; the programs of a (block, head)'s first slice write its share of the bias gradients (dpos, dtime).
@@ -457,12 +478,12 @@ def _block_attention_bwd_kernel(
                           stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
                           stride_dkn, stride_dvn, stride_sn, stride_sd, mods, dpos_ptr, dtime_ptr,
                           GROUP, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, SLICES_PER_PROGRAM, ROTATE,
-                          INLINE_ASM, WIDE_STORES, NUM_KV_HEADS * GROUP, IN_BLOCK)
+                          INLINE_ASM, WIDE_STORES, NUM_KV_HEADS * GROUP, IN_BLOCK, GROUP_STAGES)
         return
 
     dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
     dv = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
-    for g in range(GROUP):
+    for g in tl.range(GROUP, num_stages=GROUP_STAGES):
         head = kv_head * GROUP + g
         q_base = q_ptr + head * stride_qh
         do_base = do_ptr + head * stride_doh
@@ -514,46 +535,70 @@ def _block_attention_bwd_persistent_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr,
     block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_slots, num_tokens, head_dim, scale, qk_scale_log2,
-    stride_n, stride_h, stride_d,
+    stride_qn, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kd,
     stride_don, stride_doh, stride_dod,
-    NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PIPELINE_STAGES: tl.constexpr, DO_SHARES_LAYOUT: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
+    KV_SHARES_TILE: tl.constexpr, DO_SHARES_LAYOUT: tl.constexpr,
 ):
-    # The backward without GQA, whole head dim in one slice, as a persistent loop over (block, head): the compiler
-    # prefetches the next item's tiles into shared memory while the current one computes, which hides the load
-    # latency that bounds one-block programs when few fit on a multiprocessor (D = 128). q, k, v, dq, dk, dv share
-    # one layout (the launcher checks), so one tile of offsets serves them, and dO too when DO_SHARES_LAYOUT.
-    num_blocks = tl.minimum(tl.load(block_cum_ptr + num_seqs - 1), num_slots)  # the rest of the slots are padding
+    # The backward, whole head dim in one slice, as a persistent loop: the compiler prefetches the next step's tiles
+    # into shared memory while the current one computes, which hides the load latency that bounds one-block programs
+    # when few fit on a multiprocessor (D = 128). A program owns (block, kv head) items, pid + i * programs, and
+    # runs one step per query head of the item's GQA group, all in one flat loop (so that every step pipelines):
+    # dk and dv accumulate over the group's steps in registers and are stored at its last one (GROUP == 1: at
+    # every step). No atomics: bitwise reproducible. q and dq share one layout, k, v, dk and dv another (the
+    # launcher checks), so one tile of offsets serves each side; dO shares q's when DO_SHARES_LAYOUT, and k's side
+    # shares it too when KV_SHARES_TILE (same layout, and without GQA the same head).
+    num_items = tl.minimum(tl.load(block_cum_ptr + num_seqs - 1), num_slots) * NUM_KV_HEADS  # the rest: padding
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_SIZE)
-    for item in tl.range(tl.program_id(0), num_blocks * NUM_HEADS, tl.num_programs(0), num_stages=PIPELINE_STAGES):
-        start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, item // NUM_HEADS, num_seqs,
+    dk = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_SIZE, CHUNK), dtype=tl.float32)
+    for step in tl.range(0, tl.cdiv(num_items - pid, programs) * GROUP, num_stages=PIPELINE_STAGES):
+        item = pid + (step // GROUP) * programs
+        g = step % GROUP
+        kv_head = item % NUM_KV_HEADS
+        start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, item // NUM_KV_HEADS, num_seqs,
                                      num_tokens, BLOCK_SIZE)
         row_ok = offs < length
         rows = start + offs
-        head = item % NUM_HEADS
         mask = tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
-        tile = tile_ptrs(head * stride_h, rows, 0, stride_n, stride_d, CHUNK)
-        if DO_SHARES_LAYOUT:
-            do_tile = tile
+        q_tile = tile_ptrs((kv_head * GROUP + g) * stride_qh, rows, 0, stride_qn, stride_qd, CHUNK)
+        if KV_SHARES_TILE:
+            kv_tile = q_tile
         else:
-            do_tile = tile_ptrs(head * stride_doh, rows, 0, stride_don, stride_dod, CHUNK)
+            kv_tile = tile_ptrs(kv_head * stride_kh, rows, 0, stride_kn, stride_kd, CHUNK)
+        if DO_SHARES_LAYOUT:
+            do_tile = q_tile
+        else:
+            do_tile = tile_ptrs((kv_head * GROUP + g) * stride_doh, rows, 0, stride_don, stride_dod, CHUNK)
         # All four tiles before the products (before the shared offsets: 1.17x the floor on `ads`, 1.22x interleaved).
-        q = tl.load(q_ptr + tile, mask=mask, other=0.0)
-        k = tl.load(k_ptr + tile, mask=mask, other=0.0)
-        v = tl.load(v_ptr + tile, mask=mask, other=0.0)
+        q = tl.load(q_ptr + q_tile, mask=mask, other=0.0)
+        k = tl.load(k_ptr + kv_tile, mask=mask, other=0.0)
+        v = tl.load(v_ptr + kv_tile, mask=mask, other=0.0)
         do = tl.load(do_ptr + do_tile, mask=mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         p = softmax_probs(scores, row_ok, qk_scale_log2)
         ds = grad_scores(p, dp, q_ptr.dtype.element_ty, 1.0)
         p = p.to(q_ptr.dtype.element_ty)
-        tl.store(dv_ptr + tile, tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION).to(dv_ptr.dtype.element_ty),
+        tl.store(dq_ptr + q_tile, (tl.dot(ds, k, input_precision=DOT_PRECISION) * scale).to(dq_ptr.dtype.element_ty),
                  mask=mask)
-        tl.store(dq_ptr + tile, (tl.dot(ds, k, input_precision=DOT_PRECISION) * scale).to(dq_ptr.dtype.element_ty),
-                 mask=mask)
-        tl.store(dk_ptr + tile,
-                 (tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale).to(dk_ptr.dtype.element_ty),
-                 mask=mask)
+        if GROUP == 1:
+            tl.store(dv_ptr + kv_tile,
+                     tl.dot(tl.trans(p), do, input_precision=DOT_PRECISION).to(dv_ptr.dtype.element_ty), mask=mask)
+            tl.store(dk_ptr + kv_tile,
+                     (tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * scale).to(dk_ptr.dtype.element_ty),
+                     mask=mask)
+        else:
+            dv = tl.dot(tl.trans(p), do, tl.where(g == 0, 0.0, dv), input_precision=DOT_PRECISION)
+            dk = tl.dot(tl.trans(ds), q, tl.where(g == 0, 0.0, dk), input_precision=DOT_PRECISION)
+            # Rows of the group's last step only (a row bound, not a scalar predicate: one mask shape for both).
+            last = tile_mask(offs < tl.where(g == GROUP - 1, length, 0), 0, head_dim, CHUNK, EVEN_D)
+            tl.store(dv_ptr + kv_tile, dv.to(dv_ptr.dtype.element_ty), mask=last)
+            tl.store(dk_ptr + kv_tile, (dk * scale).to(dk_ptr.dtype.element_ty), mask=last)
 
 
 def _persistent_programs(device: torch.device) -> int:
@@ -604,18 +649,21 @@ def block_attention_fwd_triton(
     *,
     num_warps: int | None = None,
     maxnreg: int | None = None,
+    fp8_dot: bool | None = None,
 ) -> torch.Tensor:
     """Launch the forward kernel over ``table``; returns ``out``. Arguments are those the dispatcher passes
     (``backends``), checked; ``rotate`` is a mask of ``tiles.ROTATE_BITS`` (0 without ``sinu_pos``): those operands
     are turned by ``sinu_pos`` after loading; ``options`` the in-block options; ``fp8_scales`` those of fp8 inputs
-    (``ops.fp8``). ``num_warps`` and ``maxnreg`` (a register cap) override the tuned launch, for tuning sweeps."""
+    (``ops.fp8``). ``num_warps``, ``maxnreg`` (a register cap) and ``fp8_dot`` (fp8 q k^T on fp8 tensor cores, for
+    fp8 inputs without a rotary and slices 32+ wide) override the tuned launch, for tuning sweeps."""
     n, hq, d = q.shape
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))
     out = tiles.new_output(q, dtype=None if fp8_scales is None else fp8_scales.out_dtype)
     if table.num_slots == 0:
         return out
-    cfg = kernel_config(block_size, d, backward=False, rotary=bool(rotate))
+    cfg = kernel_config(block_size, d, backward=False, group=hq // k.shape[1], element_size=q.element_size(),
+                        rotary=bool(rotate))
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     launch(
         _block_attention_fwd_kernel, (table.num_slots * hq,),
@@ -624,10 +672,11 @@ def block_attention_fwd_triton(
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
         stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q),
         **(fp8.no_scales_args(q) if fp8_scales is None else fp8_scales.kernel_args()), FP8=fp8_scales is not None,
+        FP8_QK=fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32 and (fp8_dot is None or fp8_dot),
         NUM_Q_HEADS=hq, GROUP=hq // k.shape[1], BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q),
-        num_warps=num_warps or _num_warps(block_size), num_stages=1, **_register_cap(maxnreg),
+        num_warps=num_warps or cfg["NUM_WARPS"], num_stages=1, **_register_cap(maxnreg),
     )
     return out
 
@@ -649,12 +698,17 @@ def block_attention_bwd_triton(
     num_warps: int | None = None,
     maxnreg: int | None = None,
     slices_per_program: int | None = None,
+    chunk: int | None = None,
+    group_stages: int | None = None,
+    pipeline_stages: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel: write ``(dq, dk, dv)``, the gradients of the unrotated inputs, into ``grads``
     (new tensors or views of one packed buffer); return the gradients of ``options``' biases (None where absent).
-    ``num_warps``, ``maxnreg`` and ``slices_per_program`` override the tuned choices, for tuning sweeps (the last
-    must be 1 under GQA, and giving it selects the one-block-per-program kernel); they change nothing but the Triton
-    launch."""
+    ``num_warps``, ``maxnreg``, ``slices_per_program``, ``chunk`` (the head-dim slice's width: a power of two
+    from 16, 32 with a rotary, up to the padded head dim) and ``group_stages`` (the pipelining depth of the loop over
+    a GQA group's query heads) override the tuned choices, for tuning sweeps (``slices_per_program`` must be 1 under
+    GQA; giving it or ``chunk`` selects the one-block-per-program kernel), as does ``pipeline_stages`` (more than 1:
+    the persistent kernel, whole rows, that many stages deep); they change nothing but the Triton launch."""
     partials = in_block.bias_grad_partials(options, table.num_slots, block_size, q)
     if table.num_slots == 0:
         return in_block.summed_bias_grads(options, partials)
@@ -664,7 +718,8 @@ def block_attention_bwd_triton(
         # Gradients are stored as pair words too: those that cannot take them are written apart and copied.
         targets = tuple(g if pairs_readable(g) else tiles.new_output(pair_aligned(g)) for g in grads)
     _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials, targets,
-                num_warps=num_warps, maxnreg=maxnreg, slices_per_program=slices_per_program)
+                num_warps=num_warps, maxnreg=maxnreg, slices_per_program=slices_per_program, chunk=chunk,
+                group_stages=group_stages, pipeline_stages=pipeline_stages)
     for grad, target in zip(grads, targets):
         if target is not grad:
             grad.copy_(target)
@@ -672,25 +727,36 @@ def block_attention_bwd_triton(
 
 
 def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials, grads, *,
-                num_warps, maxnreg, slices_per_program) -> None:
+                num_warps, maxnreg, slices_per_program, chunk, group_stages, pipeline_stages) -> None:
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     dq, dk, dv = grads
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
                         rotary=bool(rotate))
+    if chunk is not None:
+        min_width = _min_chunk(bool(rotate))
+        if chunk < min_width or chunk > cfg["BLOCK_D"] or chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two in [{min_width}, {cfg['BLOCK_D']}], got {chunk}")
+        cfg = {**cfg, "CHUNK": chunk, "NUM_CHUNKS": cfg["BLOCK_D"] // chunk, "PIPELINE_STAGES": 1}
+    if pipeline_stages is not None:
+        if pipeline_stages > 1 and (rotate or options.bits):
+            raise ValueError("pipeline_stages > 1 (the persistent backward) takes no rotary and no in-block options")
+        whole_rows = {"CHUNK": cfg["BLOCK_D"], "NUM_CHUNKS": 1} if pipeline_stages > 1 else {}
+        cfg = {**cfg, **whole_rows, "PIPELINE_STAGES": pipeline_stages}
     common = dict(**_table_args(offsets, table), num_tokens=n, head_dim=d, scale=scale, qk_scale_log2=scale * LOG2E,
                   BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
-                  DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or _num_warps(block_size),
+                  DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or cfg["NUM_WARPS"],
                   num_stages=1, **_register_cap(maxnreg))
     tensors = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "do_ptr": grad_out, "dq_ptr": dq, "dk_ptr": dk, "dv_ptr": dv}
-    one_layout = len({t.stride() for t in (q, k, v, dq, dk, dv)}) == 1
-    if cfg["PIPELINE_STAGES"] > 1 and one_layout and slices_per_program is None and not options.bits:
-        programs = min(table.num_slots * hq, _persistent_programs(q.device))
+    two_layouts = q.stride() == dq.stride() and len({t.stride() for t in (k, v, dk, dv)}) == 1
+    if cfg["PIPELINE_STAGES"] > 1 and two_layouts and slices_per_program is None and not options.bits:
+        programs = min(table.num_slots * hkv, _persistent_programs(q.device))
         launch(
             _block_attention_bwd_persistent_kernel, (programs,),
-            **tensors, **common, num_slots=table.num_slots, **_strides("", q), **_strides("do", grad_out),
-            NUM_HEADS=hq, PIPELINE_STAGES=cfg["PIPELINE_STAGES"], DO_SHARES_LAYOUT=grad_out.stride() == q.stride(),
+            **tensors, **common, num_slots=table.num_slots, **_strides("q", q), **_strides("k", k),
+            **_strides("do", grad_out), NUM_KV_HEADS=hkv, GROUP=group, PIPELINE_STAGES=cfg["PIPELINE_STAGES"],
+            KV_SHARES_TILE=group == 1 and k.stride() == q.stride(), DO_SHARES_LAYOUT=grad_out.stride() == q.stride(),
         )
         return
     slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
@@ -702,5 +768,6 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
         **tensors, sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], **common, **strides,
         stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q), NUM_KV_HEADS=hkv, GROUP=group,
         NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
+        GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
         INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in grads),
     )
