@@ -37,8 +37,9 @@ def _angles(n: int, head_dim: int) -> torch.Tensor:
 
 
 def _backward_variants(w, rotary: bool) -> list[dict]:
-    """The default launch, then each slices-per-program choice (no GQA), each other head-dim slice width, under
-    GQA each width with the group's loop pipelined, and (no rotary) the persistent kernel at 2 and 3 stages."""
+    """The default launch, then each slices-per-program choice and each other head-dim slice width (no GQA), or
+    under GQA each width with the group's loop one and two stages deep, and (no rotary) the persistent kernel at 2
+    and 3 stages."""
     cfg = triton_ops.kernel_config(w.block_size, w.head_dim, backward=True, group=w.heads // w.kv_heads,
                                    rotary=rotary)
     variants = [{}]
@@ -47,9 +48,10 @@ def _backward_variants(w, rotary: bool) -> list[dict]:
         # persistent where kernel_config pipelines)
         variants += [{"slices_per_program": s} for s in sorted({1, cfg["NUM_CHUNKS"]})]
     widths = [c for c in (16, 32, 64, 128, 256) if (32 if rotary else 16) <= c <= cfg["BLOCK_D"]]
-    variants += [{"chunk": c} for c in widths if c != cfg["CHUNK"]]
-    if w.heads > w.kv_heads:  # the loop over the group's query heads, pipelined two deep, at every width
-        variants += [{"chunk": c, "group_stages": 2} for c in widths]
+    if w.heads > w.kv_heads:  # the loop over the group's query heads, one and two stages deep, at every width
+        variants += [{"chunk": c, "group_stages": s} for c in widths for s in (1, 2)]
+    else:
+        variants += [{"chunk": c} for c in widths if c != cfg["CHUNK"]]
     if not rotary:
         variants += [{"pipeline_stages": s} for s in (2, 3) if s != cfg["PIPELINE_STAGES"]]
     return variants
@@ -84,7 +86,7 @@ def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple) -> None:
     quantised = [quantised_fp8(t) for t in case.inputs]
     scales = fp8.Fp8Scales(*(s for _, s in quantised), torch.bfloat16)
     fp8_floor = ((w.heads + 2 * w.kv_heads + 2 * w.heads) * n * w.head_dim + angle_bytes) / (tbps * 1e12) * 1e3
-    for warps, cap, fp8_dot in itertools.product(WARPS, caps, (False, True)):
+    for warps, cap, fp8_dot in itertools.product(WARPS, caps, (False,) if rotary else (False, True)):
         _report(f"fp8 fwd warps={warps} maxnreg={cap} fp8_dot={fp8_dot}",
                 partial(triton_ops.block_attention_fwd_triton, *(t for t, _ in quantised), case.offsets, case.table,
                         bs, scale, sinu_pos, rotate, PLAIN, scales, num_warps=warps, maxnreg=cap, fp8_dot=fp8_dot),

@@ -95,9 +95,9 @@ def test_kernels_persistent_backward(grad_layout, hq, hkv, poisoned_outputs):
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
 @pytest.mark.parametrize("chunk", [32, 64])
 def test_backward_chunk_override(chunk, rotary):
-    """The tuning overrides of the backward's head-dim slice (whole rows, or two slices, under GQA), of the GQA
-    loop's pipelining and of the persistent kernel's depth give the default launch's gradients; widths the kernels
-    cannot take, and the persistent kernel with a rotary, are refused."""
+    """The tuning overrides of the backward's head-dim slice (one or two slices, under GQA), of the GQA loop's
+    pipelining and of the persistent kernel's depth give the default launch's gradients; widths the kernels cannot
+    take, and the persistent kernel with a rotary or with one-block overrides, are refused."""
     q, k, v, do, offsets = random_inputs(odd_lengths(16), 4, 2, 64, torch.float16, KERNEL_DEVICE)
     sinu_pos, rotate = (random_angles(q.shape[0], 64, device=KERNEL_DEVICE), ROTATE_ALL) if rotary else (None, 0)
     table = build_block_table(offsets, q.shape[0], 16)
@@ -108,8 +108,8 @@ def test_backward_chunk_override(chunk, rotary):
                                               **override)
         return out
 
-    default = grads()
-    overrides = [{"chunk": chunk}, {"chunk": chunk, "group_stages": 2}, {"pipeline_stages": 1}]
+    default = grads()  # one 64-wide slice, the group's loop two stages deep (one without a rotary)
+    overrides = [{"chunk": chunk, "group_stages": 1}, {"chunk": chunk, "group_stages": 3}]
     if not rotary:
         overrides.append({"pipeline_stages": 2})
     for override in overrides:
@@ -118,9 +118,10 @@ def test_backward_chunk_override(chunk, rotary):
     for bad in (8 if not rotary else 16, 48, 128):
         with pytest.raises(ValueError, match="chunk must be a power of two"):
             grads(chunk=bad)
-    if rotary:
-        with pytest.raises(ValueError, match="takes no rotary"):
-            grads(pipeline_stages=2)
+    with pytest.raises(ValueError, match="takes no rotary"):
+        grads(pipeline_stages=2, **({} if rotary else {"chunk": chunk}))
+    with pytest.raises(ValueError, match="group_stages must be at least 1"):
+        grads(group_stages=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

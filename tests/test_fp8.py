@@ -55,20 +55,31 @@ def test_kernel_matches_dequantised_reference(out_dtype, block_size, hq, hkv, po
 
 
 @pytest.mark.parametrize("head_dim", [32, 128])
-@pytest.mark.parametrize("fp8_dot", [False, True], ids=["widened", "fp8-dot"])
-def test_fp8_dot_override(head_dim, fp8_dot, poisoned_outputs):
+def test_fp8_dot_override(head_dim, poisoned_outputs):
     """q k^T on fp8 tensor cores (the default where slices are 32+ wide) and on operands widened to fp16 both meet
-    the bf16 output's bound. They are not equal: Hopper's fp8 tensor cores sum with fewer bits than fp32 (outputs
-    differ by up to 1.5e-3 at D = 128 on an H100)."""
+    the bf16 output's bound, with fp32 outputs. On a GPU they differ (which shows the override reaches the kernel): Hopper's fp8 tensor
+    cores sum with fewer bits than fp32 (outputs differed by up to 1.5e-3 at D = 128 on an H100); Triton's
+    interpreter widens fp8 products itself. Where fp8 tensor cores cannot run, the override is refused."""
     lengths = odd_lengths(64)
     offsets = make_offsets(lengths, KERNEL_DEVICE)
     (q, k, v), scales, exact = quantized_inputs(lengths, 4, 2, head_dim, KERNEL_DEVICE)
     table = build_block_table(offsets, q.shape[0], 64)
-    out = triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 64, head_dim**-0.5, None, 0, PLAIN,
-                                                fp8.Fp8Scales(*scales, torch.bfloat16), fp8_dot=fp8_dot)
-    assert not out.float().isnan().any()  # every element written (outputs start as NaN)
     ref = block_attention_reference(*exact, offsets, block_size=64)
-    assert snr_db(out.double(), ref) > MIN_SNR_DB[torch.bfloat16]
+
+    def run(**override):
+        return triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 64, head_dim**-0.5, None, 0, PLAIN,
+                                                     fp8.Fp8Scales(*scales, torch.float32), **override)
+
+    outs = [run(fp8_dot=fp8_dot) for fp8_dot in (False, True)]
+    for out in outs:
+        assert not out.isnan().any()  # every element written (outputs start as NaN)
+        assert snr_db(out.double(), ref) > MIN_SNR_DB[torch.bfloat16]
+    if HAS_GPU:
+        assert not torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="fp8_dot needs fp8 inputs, no rotary"):
+        triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 64, head_dim**-0.5,
+                                              torch.zeros(q.shape[0], head_dim, device=KERNEL_DEVICE), 1, PLAIN,
+                                              fp8.Fp8Scales(*scales, torch.float32), fp8_dot=True)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, FP8])

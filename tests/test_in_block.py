@@ -71,10 +71,11 @@ def test_torch_path_each_option(names, dtype, poisoned_outputs):
 
 
 @pytest.mark.parametrize("block_size,head_dim,hq,hkv", [(16, 256, 2, 2), (32, 200, 4, 1)] + (
-    [(128, 136, 2, 1), (64, 128, 2, 2)] if HAS_GPU else []))
+    [(128, 136, 2, 1), (64, 128, 2, 2), (64, 128, 4, 2)] if HAS_GPU else []))
 def test_kernels_all_options_head_dims_and_slices(block_size, head_dim, hq, hkv, poisoned_outputs):
     """Head dims that split into slices (several programs share a block's dS: one writes the bias gradients), and
-    the production shape (its persistent backward takes no options: the one-block kernel does)."""
+    the production shape with and without GQA (its persistent backward takes no options: the one-block kernel
+    does, on whole rows)."""
     q, k, v, do, offsets = random_inputs([block_size + 3, 5], hq, hkv, head_dim, torch.float16, KERNEL_DEVICE)
     options = make_options("all", hq, block_size, q.shape[0], KERNEL_DEVICE)
     results = run_backend("triton", q, k, v, do, offsets, block_size, in_block=options)

@@ -8,9 +8,9 @@ Head dims are processed in ``CHUNK``-wide column slices: scores and ``dP`` accum
 written slice by slice. For small tiles there is one slice (each tensor is read once); large tiles (``BS * D``
 beyond what registers hold) are split so that no program needs a full ``[BS, 256]`` fp32 accumulator.
 
-The backward has a second kernel for the production shape (64-token blocks, 64 < D <= 128, no GQA, one memory
-layout for the inputs and gradients): a persistent loop over blocks that the compiler software-pipelines, so loads
-of the next block overlap the current one's math.
+The backward has a second kernel for the production shape (64-token blocks, 64 < D <= 128, 16-bit, q and dq in one
+memory layout and k, v, dk, dv in another): a persistent loop over blocks, and under GQA over each block's group of
+query heads, that the compiler software-pipelines, so loads of the next step overlap the current one's math.
 
 A fused rotary (``ROTATE``, a mask of the operands to turn) switches the forward and the one-block backward to pair
 halves (``ops.rotary``): operands are rotated right after loading, gradients turned back before their one store.
@@ -78,13 +78,13 @@ def _min_chunk(rotary: bool) -> int:
 
 @functools.cache  # read-only: one mapping per shape, computed once (launches are host-bound on small batches)
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
-                  rotary: bool = False) -> MappingProxyType:
+                  rotary: bool = False, persistent: bool = True) -> MappingProxyType:
     """Compile-time shape and launch of a kernel, by a rule measured on an H100 (the 4-warp default and the MHA
     persistent kernel also on an H200; docs/benchmarks.md).
 
     Head-dim slices of at most 64 x 128 elements in the forward. The backward takes whole rows up to 128 x 128
     elements for 16-bit inputs without GQA (128-token blocks at D = 128 and 64-token blocks at D = 256: 1.54x and
-    1.36x the floor on an H100, against 2.34x and 1.49x for 64 x 64 slices), in slices of 128 x 128 beyond; else
+    1.36x the floor on an H100, against 2.34x and 1.50x for 64 x 64 slices), in slices of 128 x 128 beyond; else
     64 x 64 slices, which hold more tiles at once (wider ones spill registers, and a GQA group's two-stage loop
     runs out of shared memory at 128 x 128).
 
@@ -93,12 +93,15 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     GPUs); fp32 tiles would not fit three deep in shared memory. Under GQA its steps run the group's query heads
     of a block in turn (1.24x and 1.47x the floor at 2:1 and 4:1 on an H100, against 2.18x and 2.42x for one
     program per block and 64-wide slice). A GQA group's loop in the one-block kernel is pipelined two deep
-    (``GROUP_STAGES``: 1.26x against 1.54x at D = 64, 4:1).
+    (``GROUP_STAGES``: 1.26x against 1.54x at D = 64, 4:1). ``persistent`` says whether the persistent kernel may
+    run (it takes no in-block options, and needs q and dq in one layout, k, v, dk and dv in another); where it may
+    not, its shapes get the one-block kernel's slices.
 
-    Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), whole-row dk and dv accumulators
-    of 128+ columns across a GQA group, or slices wider than 64 x 128; else 4, which beat 2 and 8 at 64-token blocks
-    (H200; 8 lose by 1.8x at D = 64 under GQA). The 16-bit forward with a fused rotary under GQA takes 8 (1.32x
-    against 1.55x at 4:1), without GQA or with fp8 inputs 4.
+    Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), slices wider than 64 x 128, or,
+    at 64-token blocks, whole-row dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2
+    and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit
+    forward with a fused rotary under GQA takes 8 at 64-token blocks and D >= 128 (1.32x against 1.55x at 4:1),
+    else 4. Where the rule has no measurement (16- and 32-token blocks) it keeps 4.
 
     With a fused rotary the kernels work on pair halves, which must be at least 16 wide for the tensor cores:
     slices are at least 32 columns and at most 64 x 128 elements, and the backward does not run persistent (1.72x
@@ -106,7 +109,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     """
     min_width = _min_chunk(rotary)
     block_d = max(min_width, triton.next_power_of_2(head_dim))
-    pipelined = backward and not rotary and block_size == 64 and 64 < block_d <= 128 and element_size == 2
+    pipelined = (backward and persistent and not rotary and block_size == 64 and 64 < block_d <= 128
+                 and element_size == 2)
     if not backward or rotary or pipelined:
         max_slice = 64 * 128
     elif group == 1 and element_size <= 2:
@@ -114,8 +118,9 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     else:
         max_slice = 64 * 64
     chunk = min(block_d, max(min_width, max_slice // block_size))
-    wide = block_size * chunk > 64 * 128 or (backward and group > 1 and chunk >= 128)
-    rotary_gqa_fwd = not backward and rotary and group > 1 and element_size == 2
+    wide = block_size * chunk > 64 * 128 or (backward and group > 1 and block_size == 64 and chunk >= 128)
+    rotary_gqa_fwd = (not backward and rotary and group > 1 and element_size == 2 and block_size == 64
+                      and block_d >= 128)
     return MappingProxyType({
         "BLOCK_D": block_d,
         "CHUNK": chunk,
@@ -655,7 +660,8 @@ def block_attention_fwd_triton(
     (``backends``), checked; ``rotate`` is a mask of ``tiles.ROTATE_BITS`` (0 without ``sinu_pos``): those operands
     are turned by ``sinu_pos`` after loading; ``options`` the in-block options; ``fp8_scales`` those of fp8 inputs
     (``ops.fp8``). ``num_warps``, ``maxnreg`` (a register cap) and ``fp8_dot`` (fp8 q k^T on fp8 tensor cores, for
-    fp8 inputs without a rotary and slices 32+ wide) override the tuned launch, for tuning sweeps."""
+    fp8 inputs without a rotary and slices 32+ wide; refused elsewhere) override the tuned launch, for tuning
+    sweeps."""
     n, hq, d = q.shape
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))
@@ -664,6 +670,9 @@ def block_attention_fwd_triton(
         return out
     cfg = kernel_config(block_size, d, backward=False, group=hq // k.shape[1], element_size=q.element_size(),
                         rotary=bool(rotate))
+    fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
+    if fp8_dot and not fp8_qk_possible:
+        raise ValueError("fp8_dot needs fp8 inputs, no rotary and head-dim slices at least 32 wide")
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     launch(
         _block_attention_fwd_kernel, (table.num_slots * hq,),
@@ -672,7 +681,7 @@ def block_attention_fwd_triton(
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
         stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q),
         **(fp8.no_scales_args(q) if fp8_scales is None else fp8_scales.kernel_args()), FP8=fp8_scales is not None,
-        FP8_QK=fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32 and (fp8_dot is None or fp8_dot),
+        FP8_QK=fp8_qk_possible and fp8_dot is not False,
         NUM_Q_HEADS=hq, GROUP=hq // k.shape[1], BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q),
@@ -704,11 +713,12 @@ def block_attention_bwd_triton(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel: write ``(dq, dk, dv)``, the gradients of the unrotated inputs, into ``grads``
     (new tensors or views of one packed buffer); return the gradients of ``options``' biases (None where absent).
-    ``num_warps``, ``maxnreg``, ``slices_per_program``, ``chunk`` (the head-dim slice's width: a power of two
-    from 16, 32 with a rotary, up to the padded head dim) and ``group_stages`` (the pipelining depth of the loop over
-    a GQA group's query heads) override the tuned choices, for tuning sweeps (``slices_per_program`` must be 1 under
-    GQA; giving it or ``chunk`` selects the one-block-per-program kernel), as does ``pipeline_stages`` (more than 1:
-    the persistent kernel, whole rows, that many stages deep); they change nothing but the Triton launch."""
+    ``num_warps`` and ``maxnreg`` override the launch of either kernel. ``slices_per_program`` (1 under GQA),
+    ``chunk`` (the head-dim slice's width: a power of two from 16, 32 with a rotary, up to the padded head dim) and
+    ``group_stages`` (the pipelining depth of the loop over a GQA group's query heads) override the
+    one-block-per-program kernel's choices and select that kernel, as does ``pipeline_stages=1``; ``pipeline_stages``
+    above 1 selects the persistent kernel, whole rows, that many stages deep. They are for tuning sweeps and change
+    nothing but the Triton launch; a combination the chosen kernel cannot take is refused."""
     partials = in_block.bias_grad_partials(options, table.num_slots, block_size, q)
     if table.num_slots == 0:
         return in_block.summed_bias_grads(options, partials)
@@ -732,25 +742,33 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     hkv = k.shape[1]
     group = hq // hkv
     dq, dk, dv = grads
+    two_layouts = q.stride() == dq.stride() and len({t.stride() for t in (k, v, dk, dv)}) == 1
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
-                        rotary=bool(rotate))
+                        rotary=bool(rotate), persistent=two_layouts and not options.bits)
     if chunk is not None:
         min_width = _min_chunk(bool(rotate))
         if chunk < min_width or chunk > cfg["BLOCK_D"] or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two in [{min_width}, {cfg['BLOCK_D']}], got {chunk}")
-        cfg = {**cfg, "CHUNK": chunk, "NUM_CHUNKS": cfg["BLOCK_D"] // chunk, "PIPELINE_STAGES": 1}
+        cfg = {**cfg, "CHUNK": chunk, "NUM_CHUNKS": cfg["BLOCK_D"] // chunk}
+    for name, stages in (("group_stages", group_stages), ("pipeline_stages", pipeline_stages)):
+        if stages is not None and stages < 1:
+            raise ValueError(f"{name} must be at least 1, got {stages}")
+    one_block = chunk is not None or group_stages is not None or slices_per_program is not None
     if pipeline_stages is not None:
-        if pipeline_stages > 1 and (rotate or options.bits):
-            raise ValueError("pipeline_stages > 1 (the persistent backward) takes no rotary and no in-block options")
+        if pipeline_stages > 1 and (rotate or options.bits or one_block or not two_layouts):
+            raise ValueError("pipeline_stages > 1 (the persistent backward) takes no rotary, in-block options, chunk, "
+                             "group_stages or slices_per_program, and needs q, dq in one layout and k, v, dk, dv in "
+                             "another")
         whole_rows = {"CHUNK": cfg["BLOCK_D"], "NUM_CHUNKS": 1} if pipeline_stages > 1 else {}
         cfg = {**cfg, **whole_rows, "PIPELINE_STAGES": pipeline_stages}
+    elif one_block:
+        cfg = {**cfg, "PIPELINE_STAGES": 1}
     common = dict(**_table_args(offsets, table), num_tokens=n, head_dim=d, scale=scale, qk_scale_log2=scale * LOG2E,
                   BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
                   DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or cfg["NUM_WARPS"],
                   num_stages=1, **_register_cap(maxnreg))
     tensors = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "do_ptr": grad_out, "dq_ptr": dq, "dk_ptr": dk, "dv_ptr": dv}
-    two_layouts = q.stride() == dq.stride() and len({t.stride() for t in (k, v, dk, dv)}) == 1
-    if cfg["PIPELINE_STAGES"] > 1 and two_layouts and slices_per_program is None and not options.bits:
+    if cfg["PIPELINE_STAGES"] > 1:
         programs = min(table.num_slots * hkv, _persistent_programs(q.device))
         launch(
             _block_attention_bwd_persistent_kernel, (programs,),
