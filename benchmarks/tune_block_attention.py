@@ -19,21 +19,16 @@ from functools import partial
 
 import torch
 
-from blockattn.bench.harness import copy_bandwidth_tbps, floor_bytes, make_case, time_ms
+from blockattn.bench.harness import copy_bandwidth_tbps, floor_bytes, fp8_forward_floor_bytes, make_case, time_ms
 from blockattn.bench.presets import PRESETS
 from blockattn.block_table import build_block_table
 from blockattn.ops import block_attention as triton_ops
 from blockattn.ops import fp8
 from blockattn.ops.in_block import PLAIN
 from blockattn.ops.tiles import ROTATE_ALL, ROTATE_NONE
-from blockattn.reference import quantised_fp8
+from blockattn.reference import quantised_fp8, random_angles
 
 WARPS = (4, 8)
-
-
-def _angles(n: int, head_dim: int) -> torch.Tensor:
-    theta = torch.rand(n, head_dim // 2, device="cuda") * 2 * math.pi
-    return torch.cat([theta.sin(), theta.cos()], dim=1)
 
 
 def _backward_variants(w, rotary: bool) -> list[dict]:
@@ -47,7 +42,7 @@ def _backward_variants(w, rotary: bool) -> list[dict]:
         # a number: one block per program with that many head-dim slices each (None: the default kernel choice,
         # persistent where kernel_config pipelines)
         variants += [{"slices_per_program": s} for s in sorted({1, cfg["NUM_CHUNKS"]})]
-    widths = [c for c in (16, 32, 64, 128, 256) if (32 if rotary else 16) <= c <= cfg["BLOCK_D"]]
+    widths = [c for c in (16, 32, 64, 128, 256) if triton_ops.min_chunk(rotary) <= c <= cfg["BLOCK_D"]]
     if w.heads > w.kv_heads:  # the loop over the group's query heads, one and two stages deep, at every width
         variants += [{"chunk": c, "group_stages": s} for c in widths for s in (1, 2)]
     else:
@@ -71,7 +66,7 @@ def _report(label: str, run, rep_ms: int, floor_ms: float, of: str = "floor") ->
 def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple) -> None:
     case = make_case(w, w.offsets(0, "cuda"), 0)
     n = case.q.shape[0]
-    sinu_pos, rotate = (_angles(n, w.head_dim), ROTATE_ALL) if rotary else (None, ROTATE_NONE)
+    sinu_pos, rotate = (random_angles(n, w.head_dim, "cuda"), ROTATE_ALL) if rotary else (None, ROTATE_NONE)
     angle_bytes = 0 if sinu_pos is None else sinu_pos.numel() * sinu_pos.element_size()
     floors = {p: (b + angle_bytes) / (tbps * 1e12) * 1e3 for p, b in floor_bytes(w, n).items()}
     bs, scale = w.block_size, 1 / math.sqrt(w.head_dim)
@@ -85,7 +80,7 @@ def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple) -> None:
     # The fp8 forward (q, k, v quantised per tensor, bf16 output): one byte per input element.
     quantised = [quantised_fp8(t) for t in case.inputs]
     scales = fp8.Fp8Scales(*(s for _, s in quantised), torch.bfloat16)
-    fp8_floor = ((w.heads + 2 * w.kv_heads + 2 * w.heads) * n * w.head_dim + angle_bytes) / (tbps * 1e12) * 1e3
+    fp8_floor = (fp8_forward_floor_bytes(w, n) + angle_bytes) / (tbps * 1e12) * 1e3
     for warps, cap, fp8_dot in itertools.product(WARPS, caps, (False,) if rotary else (False, True)):
         _report(f"fp8 fwd warps={warps} maxnreg={cap} fp8_dot={fp8_dot}",
                 partial(triton_ops.block_attention_fwd_triton, *(t for t, _ in quantised), case.offsets, case.table,

@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from blockattn import backends
+from blockattn import backends, reference
 from blockattn.block_table import build_block_table
 from blockattn.ops import tiles
 from blockattn.ops.in_block import PLAIN, dropout_keep
@@ -76,8 +76,7 @@ def random_inputs(lengths, hq, hkv, d, dtype, device, offsets_dtype=torch.int32)
 
 def random_angles(num_tokens, head_dim, dtype=torch.float32, device="cpu"):
     """``sinu_pos = [sin | cos]`` of random angles, ``[N, D]``."""
-    theta = torch.rand(num_tokens, head_dim // 2, device=device) * 2 * math.pi
-    return torch.cat([theta.sin(), theta.cos()], dim=1).to(dtype)
+    return reference.random_angles(num_tokens, head_dim, device).to(dtype)
 
 
 def run_backend(name, q, k, v, do, offsets, block_size, sinu_pos=None, rotate=0, grads=None, in_block=PLAIN,

@@ -31,19 +31,18 @@ CONFIGS = (sweep.grid() if HAS_GPU else
 FP8_MIN_SNR_DB = 45.0
 
 
-def _angles(config: sweep.Config, num_tokens: int, dtype: torch.dtype) -> torch.Tensor | None:
+def _angles(config: sweep.Config, num_tokens: int) -> torch.Tensor | None:
     """The sweep's angles: none, float32, or in the inputs' dtype (bf16 for fp8, quantised from bf16)."""
-    if config.rotary == "none":
+    if config.angle_dtype is None:
         return None
-    return random_angles(num_tokens, config.head_dim, torch.float32 if config.rotary == "fp32 angles" else dtype,
-                         KERNEL_DEVICE)
+    return random_angles(num_tokens, config.head_dim, config.angle_dtype, KERNEL_DEVICE)
 
 
 def _sixteen_bit(config: sweep.Config, lengths: list[int]) -> None:
     dtype = getattr(torch, config.dtype)
     q, k, v, do, offsets = random_inputs(lengths, sweep.NUM_HEADS, config.kv_heads, config.head_dim, dtype,
                                          KERNEL_DEVICE)
-    sinu_pos = _angles(config, q.shape[0], dtype)
+    sinu_pos = _angles(config, q.shape[0])
     if HAS_GPU:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = blockattn.block_attention(*leaves, offsets, block_size=config.block_size, sinu_pos=sinu_pos)
@@ -58,7 +57,7 @@ def _fp8(config: sweep.Config, lengths: list[int]) -> None:
     q, k, v, _, offsets = random_inputs(lengths, sweep.NUM_HEADS, config.kv_heads, config.head_dim, torch.float32,
                                         KERNEL_DEVICE)
     (q8, qs), (k8, ks), (v8, vs) = (quantised_fp8(t) for t in (q, k, v))
-    sinu_pos = _angles(config, q.shape[0], torch.bfloat16)
+    sinu_pos = _angles(config, q.shape[0])
     scale = config.head_dim**-0.5
     if HAS_GPU:
         out = blockattn.block_attention(q8, k8, v8, offsets, block_size=config.block_size, sinu_pos=sinu_pos,

@@ -137,6 +137,13 @@ def rotary_reference(
     return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
 
 
+def random_angles(num_tokens: int, head_dim: int, device="cpu", generator: torch.Generator | None = None
+                  ) -> torch.Tensor:
+    """``sinu_pos = [sin | cos]`` of angles drawn uniformly in ``[0, 2 pi)``, ``[N, D]`` float32 (callers cast)."""
+    theta = torch.rand(num_tokens, head_dim // 2, device=device, generator=generator) * 2 * math.pi
+    return torch.cat([theta.sin(), theta.cos()], dim=1)
+
+
 def quantised_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(t8, descale)``: ``t`` quantised per tensor to float8_e4m3fn (its largest magnitude at e4m3's largest
     finite value, 448), with ``t ~ t8 * descale``."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from blockattn.reference import block_attention_reference, snr_db
+from blockattn.reference import block_attention_reference, random_angles, snr_db
 
 from .baselines import (
     BASELINES,
@@ -104,6 +104,11 @@ def floor_bytes(w: Workload, num_tokens: int, rotary: bool = False) -> dict[str,
     return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}
 
 
+def fp8_forward_floor_bytes(w: Workload, num_tokens: int) -> int:
+    """The fp8 forward's memory floor: q, k, v read at one byte per element, the bf16 output written."""
+    return (w.heads + 2 * w.kv_heads + 2 * w.heads) * num_tokens * w.head_dim
+
+
 def make_case(w: Workload, offsets: torch.Tensor, seed: int) -> Case:
     """Random inputs of ``w`` on the device of ``offsets``."""
     device = offsets.device
@@ -115,8 +120,7 @@ def make_case(w: Workload, offsets: torch.Tensor, seed: int) -> Case:
 
     sinu_pos = projection = None
     if w.rotary:
-        angles = torch.rand(n, w.head_dim // 2, device=device, generator=generator) * 2 * math.pi
-        sinu_pos = torch.cat([angles.sin(), angles.cos()], dim=1).to(w.torch_dtype)
+        sinu_pos = random_angles(n, w.head_dim, device, generator).to(w.torch_dtype)
         d_model, width = w.heads * w.head_dim, (w.heads + 2 * w.kv_heads) * w.head_dim
         projection = (randn(n, d_model), randn(d_model, width, scale=d_model**-0.5), randn(width))
     return Case(randn(n, w.heads, w.head_dim), randn(n, w.kv_heads, w.head_dim), randn(n, w.kv_heads, w.head_dim),

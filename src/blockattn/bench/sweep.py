@@ -25,7 +25,7 @@ import torch
 
 import blockattn
 from blockattn.ops.tiles import ROTATE_ALL, ROTATE_NONE
-from blockattn.reference import quantised_fp8
+from blockattn.reference import quantised_fp8, random_angles
 
 from . import harness
 from .presets import Workload
@@ -54,11 +54,23 @@ class Config:
     def passes(self) -> tuple[str, ...]:
         return ("fwd",) if self.dtype == FP8 else PASSES
 
+    @property
+    def source_dtype(self) -> str:
+        """The inputs' dtype before any quantisation: bf16 for fp8."""
+        return "bfloat16" if self.dtype == FP8 else self.dtype
+
+    @property
+    def angle_dtype(self) -> torch.dtype | None:
+        """``sinu_pos``'s dtype: None without a rotary, float32, or the source dtype ("input angles")."""
+        if self.rotary == "none":
+            return None
+        return torch.float32 if self.rotary == "fp32 angles" else getattr(torch, self.source_dtype)
+
     def workload(self, query_elements: int) -> Workload:
-        """The batch, in bf16 for fp8 (its inputs are quantised from it)."""
+        """The batch, in the source dtype (fp8 inputs are quantised from it)."""
         num_seqs = max(1, query_elements // (NUM_HEADS * self.head_dim * MEAN_LENGTH))
         return Workload("sweep", num_seqs, 800, 2000, NUM_HEADS, self.kv_heads, self.head_dim, self.block_size,
-                        "bfloat16" if self.dtype == FP8 else self.dtype)
+                        self.source_dtype)
 
 
 def grid(block_sizes=BLOCK_SIZES, head_dims=HEAD_DIMS, kv_heads=KV_HEADS, dtypes=DTYPES,
@@ -77,25 +89,21 @@ def _fp8_forward(case, w: Workload, n: int, sinu_pos: torch.Tensor | None, angle
                                          sinu_pos=sinu_pos, q_descale=q_descale, k_descale=k_descale,
                                          v_descale=v_descale)
 
-    floor_bytes = (w.heads + 2 * w.kv_heads + 2 * w.heads) * n * w.head_dim + angle_bytes
-    return forward, floor_bytes / (tbps * 1e12) * 1e3
+    return forward, (harness.fp8_forward_floor_bytes(w, n) + angle_bytes) / (tbps * 1e12) * 1e3
 
 
-def _angles(config: Config, w: Workload, num_tokens: int, device, generator) -> torch.Tensor | None:
-    """``sinu_pos`` of ``config.rotary``: float32, or the workload's dtype ("input angles"; bf16 for fp8, whose
-    inputs are quantised from bf16)."""
-    if config.rotary == "none":
+def _angles(config: Config, num_tokens: int, device, generator) -> torch.Tensor | None:
+    """``sinu_pos`` of ``config.rotary``, in its ``angle_dtype``."""
+    if config.angle_dtype is None:
         return None
-    theta = torch.rand(num_tokens, config.head_dim // 2, device=device, generator=generator) * 2 * math.pi
-    sinu_pos = torch.cat([theta.sin(), theta.cos()], dim=1)
-    return sinu_pos if config.rotary == "fp32 angles" else sinu_pos.to(w.torch_dtype)
+    return random_angles(num_tokens, config.head_dim, device, generator).to(config.angle_dtype)
 
 
 def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed: int, device: str) -> dict:
     w = config.workload(query_elements)
     case = harness.make_case(w, w.offsets(seed, device=device), seed)
     n = case.q.shape[0]
-    sinu_pos = _angles(config, w, n, device, torch.Generator(device=device).manual_seed(seed + 1))
+    sinu_pos = _angles(config, n, device, torch.Generator(device=device).manual_seed(seed + 1))
     rotate = ROTATE_NONE if sinu_pos is None else ROTATE_ALL
     angle_bytes = 0 if sinu_pos is None else sinu_pos.numel() * sinu_pos.element_size()
     floors = {p: (b + angle_bytes) / (tbps * 1e12) * 1e3 for p, b in harness.floor_bytes(w, n).items()}

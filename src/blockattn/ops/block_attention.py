@@ -71,7 +71,7 @@ from .tiles import (
 _FP8_MAX = tl.constexpr(fp8.FP8_MAX)
 
 
-def _min_chunk(rotary: bool) -> int:
+def min_chunk(rotary: bool) -> int:
     # With a fused rotary the kernels work on pair halves of a slice, each at least 16 wide for the tensor cores.
     return 32 if rotary else 16
 
@@ -107,7 +107,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     slices are at least 32 columns and at most 64 x 128 elements, and the backward does not run persistent (1.72x
     its floor against 1.30x for one whole-row block per program at `ads-rotary`, H100).
     """
-    min_width = _min_chunk(rotary)
+    min_width = min_chunk(rotary)
     block_d = max(min_width, triton.next_power_of_2(head_dim))
     pipelined = (backward and persistent and not rotary and block_size == 64 and 64 < block_d <= 128
                  and element_size == 2)
@@ -746,7 +746,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
                         rotary=bool(rotate), persistent=two_layouts and not options.bits)
     if chunk is not None:
-        min_width = _min_chunk(bool(rotate))
+        min_width = min_chunk(bool(rotate))
         if chunk < min_width or chunk > cfg["BLOCK_D"] or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two in [{min_width}, {cfg['BLOCK_D']}], got {chunk}")
         cfg = {**cfg, "CHUNK": chunk, "NUM_CHUNKS": cfg["BLOCK_D"] // chunk}
