@@ -4,8 +4,8 @@
     python benchmarks/tune_block_attention.py --preset ads --kv-heads 1 --rotary   # GQA 4:1, fused rotary
 
 Prints, per workload, each setting's median time as a multiple of the memory floor (kernels only; the op adds
-the block table, printed first), for the forward, the fp8 forward (inputs quantised from the workload's) and the
-backward. It calls the Triton launchers directly, with their tuning overrides: on Hopper the
+the block table, printed first), for the backward, the forward and the fp8 forward (inputs quantised from the
+workload's; ``--backward-only`` skips both forwards); ``--warps`` picks the warp counts tried. It calls the Triton launchers directly, with their tuning overrides: on Hopper the
 dispatcher sends the production backward to the Gluon kernel instead (`python -m blockattn info`). ``--heads``,
 ``--kv-heads`` (GQA), ``--block-size`` and ``--head-dim`` override the presets' shape; ``--rotary`` fuses a rotary
 of q, k, v with fp32 angles (floors count them). Settings the GPU cannot run are listed with the reason.
@@ -27,8 +27,6 @@ from blockattn.ops import fp8
 from blockattn.ops.in_block import PLAIN
 from blockattn.ops.tiles import ROTATE_ALL, ROTATE_NONE
 from blockattn.reference import quantised_fp8, random_angles
-
-WARPS = (4, 8)
 
 
 def _backward_variants(w, rotary: bool) -> list[dict]:
@@ -63,7 +61,7 @@ def _report(label: str, run, rep_ms: int, floor_ms: float, of: str = "floor") ->
     print(f"  {label}: {ms:.3f} ms = {ms / floor_ms:.3f} x {of}")
 
 
-def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple) -> None:
+def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple, warps_tried: tuple, backward_only: bool) -> None:
     case = make_case(w, w.offsets(0, "cuda"), 0)
     n = case.q.shape[0]
     sinu_pos, rotate = (random_angles(n, w.head_dim, "cuda"), ROTATE_ALL) if rotary else (None, ROTATE_NONE)
@@ -73,7 +71,17 @@ def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple) -> None:
     table_ms = time_ms(lambda: build_block_table(case.offsets, n, bs), rep_ms)["p50"]
     print(f"{w.name} (Hq {w.heads}, Hkv {w.kv_heads}, rotary {rotary}): N={n} floor fwd {floors['fwd']:.3f} ms, "
           f"bwd {floors['bwd']:.3f} ms; block table alone {table_ms * 1e3:.1f} us")
-    for warps, cap in itertools.product(WARPS, caps):
+    rule = triton_ops.kernel_config(bs, w.head_dim, backward=True, group=w.heads // w.kv_heads, rotary=rotary)
+    print(f"  the rule's backward ('default' rows, at its warps): {dict(rule)}")
+    grads = tuple(torch.empty_like(t) for t in case.inputs)
+    for warps, cap, variant in itertools.product(warps_tried, caps, _backward_variants(w, rotary)):
+        _report(f"bwd warps={warps} maxnreg={cap} {variant or 'default'}",
+                partial(triton_ops.block_attention_bwd_triton, case.do, case.q, case.k, case.v, case.offsets,
+                        case.table, bs, scale, sinu_pos, rotate, PLAIN, grads, num_warps=warps, maxnreg=cap,
+                        **variant), rep_ms, floors["bwd"])
+    if backward_only:
+        return
+    for warps, cap in itertools.product(warps_tried, caps):
         _report(f"fwd warps={warps} maxnreg={cap}",
                 partial(triton_ops.block_attention_fwd_triton, case.q, case.k, case.v, case.offsets, case.table, bs,
                         scale, sinu_pos, rotate, num_warps=warps, maxnreg=cap), rep_ms, floors["fwd"])
@@ -81,17 +89,11 @@ def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple) -> None:
     quantised = [quantised_fp8(t) for t in case.inputs]
     scales = fp8.Fp8Scales(*(s for _, s in quantised), torch.bfloat16)
     fp8_floor = (fp8_forward_floor_bytes(w, n) + angle_bytes) / (tbps * 1e12) * 1e3
-    for warps, cap, fp8_dot in itertools.product(WARPS, caps, (False,) if rotary else (False, True)):
+    for warps, cap, fp8_dot in itertools.product(warps_tried, caps, (False,) if rotary else (False, True)):
         _report(f"fp8 fwd warps={warps} maxnreg={cap} fp8_dot={fp8_dot}",
                 partial(triton_ops.block_attention_fwd_triton, *(t for t, _ in quantised), case.offsets, case.table,
                         bs, scale, sinu_pos, rotate, PLAIN, scales, num_warps=warps, maxnreg=cap, fp8_dot=fp8_dot),
                 rep_ms, fp8_floor, "its floor")
-    grads = tuple(torch.empty_like(t) for t in case.inputs)
-    for warps, cap, variant in itertools.product(WARPS, caps, _backward_variants(w, rotary)):
-        _report(f"bwd warps={warps} maxnreg={cap} {variant or 'default'}",
-                partial(triton_ops.block_attention_bwd_triton, case.do, case.q, case.k, case.v, case.offsets,
-                        case.table, bs, scale, sinu_pos, rotate, PLAIN, grads, num_warps=warps, maxnreg=cap,
-                        **variant), rep_ms, floors["bwd"])
 
 
 def main():
@@ -104,6 +106,8 @@ def main():
     parser.add_argument("--rotary", action="store_true", help="fuse a rotary of q, k, v (fp32 angles)")
     parser.add_argument("--register-caps", nargs="+", default=["none", "168", "128"],
                         help="maxnreg values to try ('none': no cap)")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="num_warps values to try")
+    parser.add_argument("--backward-only", action="store_true", help="time the backward's settings only")
     parser.add_argument("--rep-ms", type=int, default=200)
     args = parser.parse_args()
     tbps = copy_bandwidth_tbps(args.rep_ms)
@@ -114,7 +118,7 @@ def main():
                      "head_dim": args.head_dim}
         w = dataclasses.replace(w, **{field: value for field, value in overrides.items() if value is not None})
         caps = tuple(None if c == "none" else int(c) for c in args.register_caps)
-        tune(w, tbps, args.rep_ms, args.rotary, caps)
+        tune(w, tbps, args.rep_ms, args.rotary, caps, tuple(args.warps), args.backward_only)
         torch.cuda.empty_cache()
 
 

@@ -544,6 +544,12 @@ def test_sweep_on_the_cpu(fake_gpu, tmp_path):
             assert fp32[pass_name]["floor_ms"] * 3.0e9 == pytest.approx(floor_bytes + n * 32 * 4)
             assert same[pass_name]["floor_ms"] * 3.0e9 == pytest.approx(floor_bytes + n * 32 * 2)
             assert none[pass_name]["x_floor"] == pytest.approx(1.0 / none[pass_name]["floor_ms"])
+            # fake_gpu times 1 ms: the rate the floor would need is the achieved one over the floor's ms
+            assert none[pass_name]["tflops_at_floor"] == pytest.approx(none[pass_name]["tflops"]
+                                                                       / none[pass_name]["floor_ms"])
+        # 2 products forward, 5 backward, over at most 16 keys per query (1 ms: FLOP / 1e9 is TFLOP/s)
+        assert none["bwd"]["tflops"] == pytest.approx(2.5 * none["fwd"]["tflops"])
+        assert 0.5 * (2 * 2 * n * 16 * 8 * 32) / 1e9 < none["fwd"]["tflops"] <= (2 * 2 * n * 16 * 8 * 32) / 1e9
     assert rows[(2, "none")]["fwd"]["floor_ms"] < rows[(8, "none")]["fwd"]["floor_ms"]  # GQA reads fewer k, v
     fp8_report = sweep.run(sweep.grid(block_sizes=(16,), head_dims=(32,), kv_heads=(2,), dtypes=(sweep.FP8,)),
                            rep_ms=1, query_elements=sweep.NUM_HEADS * 32 * 1000, device="cpu")

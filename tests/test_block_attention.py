@@ -64,7 +64,8 @@ def test_kernels_odd_lengths_gqa(block_size, dtype, poisoned_outputs):
 @pytest.mark.parametrize(
     "block_size,head_dim,hq,hkv",
     [(16, 16, 1, 1), (32, 24, 3, 3), (16, 40, 2, 1), (64, 64, 2, 2), (16, 256, 2, 2), (32, 200, 4, 1),
-     (64, 128, 2, 2), (64, 128, 4, 2), (64, 72, 1, 1), (128, 96, 2, 2), (64, 256, 1, 1)],
+     (64, 128, 2, 2), (64, 128, 4, 2), (64, 72, 1, 1), (128, 96, 2, 2), (64, 256, 1, 1), (128, 128, 4, 1),
+     (64, 256, 2, 1)],
 )
 def test_kernels_head_dims(block_size, head_dim, hq, hkv, poisoned_outputs):
     q, k, v, do, offsets = random_inputs(odd_lengths(block_size), hq, hkv, head_dim, torch.float16, KERNEL_DEVICE)

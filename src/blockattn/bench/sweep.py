@@ -1,6 +1,7 @@
 """The configuration sweep (``python -m blockattn bench --sweep``): block size x head dim x GQA ratio x dtype x
-rotary, forward and backward, each as time over its own memory floor; a table, ``sweep.json`` and a heatmap
-``sweep.png``.
+rotary, forward and backward, each as time over its own memory floor and as TFLOP/s (next to the rate the floor's
+time would need: the GQA backward at 128-token blocks is bound by its arithmetic); a table, ``sweep.json``
+and a heatmap ``sweep.png``.
 
 Rotary is ``none``, ``fp32 angles`` (``sinu_pos`` in float32, as a user builds it) or ``input angles`` (in the
 inputs' dtype, bf16 for fp8: half the angle bytes); each floor counts its own angle bytes. fp8 is the forward only
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 import blockattn
+from blockattn.custom_ops import attention_flops
 from blockattn.ops.tiles import ROTATE_ALL, ROTATE_NONE
 from blockattn.reference import quantised_fp8, random_angles
 
@@ -38,6 +40,7 @@ FP8 = "float8_e4m3fn"  # forward only (inference), bf16 output
 DTYPES = ("bfloat16", "float16", FP8)
 ROTARY = ("none", "fp32 angles", "input angles")
 PASSES = ("fwd", "bwd")
+MATMULS = {"fwd": 2, "bwd": 5}  # q k^T and P V; and the backward's recomputed q k^T, dO V^T, dV, dQ, dK
 QUERY_ELEMENTS = 2**27
 MEAN_LENGTH = 1400
 
@@ -122,8 +125,11 @@ def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed
     row = {**asdict(config), "tokens": n, "gqa": NUM_HEADS // config.kv_heads}
     for pass_name, fn in zip(config.passes, (forward, backward)):
         ms = harness.time_ms(fn, rep_ms)
+        flops = attention_flops(case.offsets, n, NUM_HEADS, config.head_dim, config.block_size, False,
+                                MATMULS[pass_name])
         row[pass_name] = {"ms": ms["p50"], "quantiles_ms": ms, "floor_ms": floors[pass_name],
-                          "x_floor": ms["p50"] / floors[pass_name]}
+                          "x_floor": ms["p50"] / floors[pass_name], "tflops": flops / ms["p50"] / 1e9,
+                          "tflops_at_floor": flops / floors[pass_name] / 1e9}
     return row
 
 
@@ -156,13 +162,19 @@ def print_report(report: dict, console) -> None:
     console.print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; copy bandwidth "
                   f"{report['copy_bandwidth_tbps']:.2f} TB/s; Hq = {report['num_heads']}")
     table = Table(title="configuration sweep: time over each configuration's memory floor")
-    for col in ("BS", "D", "Hq:Hkv", "dtype", "rotary", "tokens", "fwd ms", "fwd x floor", "bwd ms", "bwd x floor"):
+    for col in ("BS", "D", "Hq:Hkv", "dtype", "rotary", "tokens", *(f"{p} {c}" for p in PASSES for c in
+                                                                     ("ms", "x floor", "TFLOP/s (at floor)"))):
         table.add_column(col)
     for r in report["results"]:
-        passes = [(f"{r[p]['ms']:.3f}", f"{r[p]['x_floor']:.2f}") if p in r else ("-", "-") for p in PASSES]
+        passes = [(f"{r[p]['ms']:.3f}", f"{r[p]['x_floor']:.2f}",
+                   f"{r[p]['tflops']:.0f} ({r[p]['tflops_at_floor']:.0f})") if p in r else ("-", "-", "-")
+                  for p in PASSES]
         table.add_row(str(r["block_size"]), str(r["head_dim"]), f"{report['num_heads']}:{r['kv_heads']}", r["dtype"],
                       r["rotary"], str(r["tokens"]), *passes[0], *passes[1])
     console.print(table)
+    console.print("TFLOP/s: the products' FLOPs (2 forward, 5 backward, over the in-block pairs) per second; in "
+                  "brackets the rate the memory floor's time would take: where that is beyond what the tensor cores "
+                  "sustain at these tile sizes, the configuration is bound by its arithmetic, not by memory.")
     for f in report["failed"]:
         console.print(f"FAILED: BS {f['block_size']}, D {f['head_dim']}, Hkv {f['kv_heads']}, {f['dtype']}, "
                       f"{f['rotary']}: {f['reason']}", style="bold red", markup=False)
