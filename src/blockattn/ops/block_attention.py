@@ -85,19 +85,19 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     Head-dim slices of at most 64 x 128 elements in the forward. The backward takes whole rows up to 128 x 128
     elements for 16-bit inputs without GQA (128-token blocks at D = 128 and 64-token blocks at D = 256: 1.54x and
     1.36x the floor on an H100, against 2.34x and 1.50x for 64 x 64 slices), in slices of 128 x 128 beyond. Under
-    GQA (16-bit) the slices are 64 columns wide from 64-token blocks on, 128 at D = 256, and at least 64 x 64
-    elements below: each slice's program recomputes the whole block's scores for every query head of the group, so
-    wider slices redo less, until the group's dk and dv accumulators spill registers (4:1 on an H100: 128-token
-    blocks at D = 128 3.9x the floor with 64-column slices against 7.3x with 32 and 5.8x with 128; 64-token blocks
-    at D = 256 2.8x with 128 columns against 3.7x with 64). fp32 inputs take 64 x 64 slices.
+    GQA (16-bit) 64- and 128-token blocks take slices of 64 x 128 elements: each slice's program recomputes the
+    whole block's scores for every query head of the group, so wider slices redo less, until the group's dk and dv
+    accumulators spill registers (4:1 on an H100, against the 64 x 64 slices before: 128-token blocks at D = 128
+    3.9x the floor against 7.3x, and 5.8x for whole rows; 2:1 at D = 256 5.4x against 12.1x, 5.9x for 128
+    columns; 64-token blocks at D = 256 2.8x against 3.7x, and at D = 128 where the persistent kernel may not run
+    1.6x against 2.4x). Smaller blocks, and fp32 inputs, take 64 x 64 slices.
 
     The backward of 64-token blocks with 64 < D <= 128 and 16-bit inputs runs a persistent loop that prefetches the
     next step's tiles three deep (the dispatcher sends the one without GQA to ``block_attention_sm90`` on Hopper
     GPUs); fp32 tiles would not fit three deep in shared memory. Under GQA its steps run the group's query heads
     of a block in turn (1.24x and 1.47x the floor at 2:1 and 4:1 on an H100, against 2.18x and 2.42x for one
     program per block and 64-wide slice). A GQA group's loop in the one-block kernel is pipelined two deep
-    (``GROUP_STAGES``: 1.26x against 1.54x at D = 64, 4:1) where its slice holds at most 64 x 128 elements (two
-    stages of 128 x 128 tiles do not fit in shared memory). ``persistent`` says whether the persistent kernel may
+    (``GROUP_STAGES``: 1.26x against 1.54x at D = 64, 4:1). ``persistent`` says whether the persistent kernel may
     run (it takes no in-block options, and needs q and dq in one layout, k, v, dk and dv in another); where it may
     not, its shapes get the one-block kernel's slices.
 
@@ -115,15 +115,12 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     block_d = max(min_width, triton.next_power_of_2(head_dim))
     pipelined = (backward and persistent and not rotary and block_size == 64 and 64 < block_d <= 128
                  and element_size == 2)
-    if not backward or rotary or pipelined:
+    if not backward or rotary or pipelined or (group > 1 and element_size == 2 and block_size >= 64):
         max_slice = 64 * 128
-    elif element_size > 2:
-        max_slice = 64 * 64
-    elif group == 1:
+    elif group == 1 and element_size == 2:
         max_slice = 128 * 128
     else:
-        # 64 columns from 64-token blocks on (128 at D = 256): every slice's program recomputes the whole scores.
-        max_slice = max(64 * 64, block_size * (64 if block_d <= 128 else 128))
+        max_slice = 64 * 64
     chunk = min(block_d, max(min_width, max_slice // block_size))
     wide = block_size * chunk > 64 * 128 or (backward and group > 1 and block_size == 64 and chunk >= 128)
     rotary_gqa_fwd = (not backward and rotary and group > 1 and element_size == 2 and block_size == 64
@@ -134,7 +131,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "NUM_CHUNKS": triton.cdiv(block_d, chunk),
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
-        "GROUP_STAGES": 2 if backward and group > 1 and not rotary and block_size * chunk <= 64 * 128 else 1,
+        "GROUP_STAGES": 2 if backward and group > 1 and not rotary else 1,
         "NUM_WARPS": 8 if block_size == 128 or wide or rotary_gqa_fwd else 4,
     })
 
