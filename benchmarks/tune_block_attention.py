@@ -5,7 +5,8 @@
 
 Prints, per workload, each setting's median time as a multiple of the memory floor (kernels only; the op adds
 the block table, printed first), for the backward, the forward and the fp8 forward (inputs quantised from the
-workload's; ``--backward-only`` skips both forwards); ``--warps`` picks the warp counts tried. It calls the Triton launchers directly, with their tuning overrides: on Hopper the
+workload's; ``--backward-only`` skips both forwards); ``--warps`` picks the warp counts tried; ``--in-block`` adds
+a causal mask and both biases (floors are the plain op's). It calls the Triton launchers directly, with their tuning overrides: on Hopper the
 dispatcher sends the production backward to the Gluon kernel instead (`python -m blockattn info`). ``--heads``,
 ``--kv-heads`` (GQA), ``--block-size`` and ``--head-dim`` override the presets' shape; ``--rotary`` fuses a rotary
 of q, k, v with fp32 angles (floors count them). Settings the GPU cannot run are listed with the reason.
@@ -20,21 +21,22 @@ from functools import partial
 import torch
 
 from blockattn.bench.harness import copy_bandwidth_tbps, floor_bytes, fp8_forward_floor_bytes, make_case, time_ms
+from blockattn.bench.options import NUM_BUCKETS
 from blockattn.bench.presets import PRESETS
 from blockattn.block_table import build_block_table
 from blockattn.ops import block_attention as triton_ops
 from blockattn.ops import fp8
-from blockattn.ops.in_block import PLAIN
+from blockattn.ops.in_block import PLAIN, InBlock
 from blockattn.ops.tiles import ROTATE_ALL, ROTATE_NONE
 from blockattn.reference import quantised_fp8, random_angles
 
 
-def _backward_variants(w, rotary: bool) -> list[dict]:
+def _backward_variants(w, rotary: bool, in_block: bool) -> list[dict]:
     """The default launch, then each slices-per-program choice and each other head-dim slice width (no GQA), or
-    under GQA each width with the group's loop one and two stages deep, and (no rotary) the persistent kernel at 2
-    and 3 stages."""
+    under GQA each width with the group's loop one and two stages deep, and (no rotary, no in-block options) the
+    persistent kernel at 2 and 3 stages."""
     cfg = triton_ops.kernel_config(w.block_size, w.head_dim, backward=True, group=w.heads // w.kv_heads,
-                                   rotary=rotary)
+                                   rotary=rotary, persistent=not in_block, in_block=in_block)
     variants = [{}]
     if w.heads == w.kv_heads:
         # a number: one block per program with that many head-dim slices each (None: the default kernel choice,
@@ -45,7 +47,7 @@ def _backward_variants(w, rotary: bool) -> list[dict]:
         variants += [{"chunk": c, "group_stages": s} for c in widths for s in (1, 2)]
     else:
         variants += [{"chunk": c} for c in widths if c != cfg["CHUNK"]]
-    if not rotary:
+    if not rotary and not in_block:
         variants += [{"pipeline_stages": s} for s in (2, 3) if s != cfg["PIPELINE_STAGES"]]
     return variants
 
@@ -61,30 +63,43 @@ def _report(label: str, run, rep_ms: int, floor_ms: float, of: str = "floor") ->
     print(f"  {label}: {ms:.3f} ms = {ms / floor_ms:.3f} x {of}")
 
 
-def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple, warps_tried: tuple, backward_only: bool) -> None:
+def _causal_and_biases(w, n: int) -> InBlock:
+    """A causal mask and both biases, drawn as the options bench draws them (``bench.options``)."""
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    return InBlock(causal=True, pos_bias=torch.randn(w.heads, 2 * w.block_size - 1, device="cuda", generator=generator),
+                   timestamps=torch.randint(1, 1200, (n,), device="cuda", generator=generator).cumsum(0),
+                   time_bias=torch.randn(w.heads, NUM_BUCKETS, device="cuda", generator=generator))
+
+
+def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple, warps_tried: tuple, backward_only: bool,
+         in_block: bool) -> None:
     case = make_case(w, w.offsets(0, "cuda"), 0)
     n = case.q.shape[0]
+    options = _causal_and_biases(w, n) if in_block else PLAIN
     sinu_pos, rotate = (random_angles(n, w.head_dim, "cuda"), ROTATE_ALL) if rotary else (None, ROTATE_NONE)
     angle_bytes = 0 if sinu_pos is None else sinu_pos.numel() * sinu_pos.element_size()
     floors = {p: (b + angle_bytes) / (tbps * 1e12) * 1e3 for p, b in floor_bytes(w, n).items()}
     bs, scale = w.block_size, 1 / math.sqrt(w.head_dim)
     table_ms = time_ms(lambda: build_block_table(case.offsets, n, bs), rep_ms)["p50"]
-    print(f"{w.name} (Hq {w.heads}, Hkv {w.kv_heads}, rotary {rotary}): N={n} floor fwd {floors['fwd']:.3f} ms, "
+    print(f"{w.name} (Hq {w.heads}, Hkv {w.kv_heads}, rotary {rotary}, in-block options {in_block}): N={n} floor fwd {floors['fwd']:.3f} ms, "
           f"bwd {floors['bwd']:.3f} ms; block table alone {table_ms * 1e3:.1f} us")
-    rule = triton_ops.kernel_config(bs, w.head_dim, backward=True, group=w.heads // w.kv_heads, rotary=rotary)
+    rule = triton_ops.kernel_config(bs, w.head_dim, backward=True, group=w.heads // w.kv_heads, rotary=rotary,
+                                    persistent=not in_block, in_block=in_block)
     print(f"  the rule's backward ('default' rows, at its warps): {dict(rule)}")
     grads = tuple(torch.empty_like(t) for t in case.inputs)
-    for warps, cap, variant in itertools.product(warps_tried, caps, _backward_variants(w, rotary)):
+    for warps, cap, variant in itertools.product(warps_tried, caps, _backward_variants(w, rotary, in_block)):
         _report(f"bwd warps={warps} maxnreg={cap} {variant or 'default'}",
                 partial(triton_ops.block_attention_bwd_triton, case.do, case.q, case.k, case.v, case.offsets,
-                        case.table, bs, scale, sinu_pos, rotate, PLAIN, grads, num_warps=warps, maxnreg=cap,
+                        case.table, bs, scale, sinu_pos, rotate, options, grads, num_warps=warps, maxnreg=cap,
                         **variant), rep_ms, floors["bwd"])
     if backward_only:
         return
     for warps, cap in itertools.product(warps_tried, caps):
         _report(f"fwd warps={warps} maxnreg={cap}",
                 partial(triton_ops.block_attention_fwd_triton, case.q, case.k, case.v, case.offsets, case.table, bs,
-                        scale, sinu_pos, rotate, num_warps=warps, maxnreg=cap), rep_ms, floors["fwd"])
+                        scale, sinu_pos, rotate, options, num_warps=warps, maxnreg=cap), rep_ms, floors["fwd"])
+    if in_block:  # the fp8 forward is inference: timed without options
+        return
     # The fp8 forward (q, k, v quantised per tensor, bf16 output): one byte per input element.
     quantised = [quantised_fp8(t) for t in case.inputs]
     scales = fp8.Fp8Scales(*(s for _, s in quantised), torch.bfloat16)
@@ -108,6 +123,8 @@ def main():
                         help="maxnreg values to try ('none': no cap)")
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="num_warps values to try")
     parser.add_argument("--backward-only", action="store_true", help="time the backward's settings only")
+    parser.add_argument("--in-block", action="store_true",
+                        help="with a causal mask and both biases (as bench --options draws them; no fp8 forward)")
     parser.add_argument("--rep-ms", type=int, default=200)
     args = parser.parse_args()
     tbps = copy_bandwidth_tbps(args.rep_ms)
@@ -118,7 +135,7 @@ def main():
                      "head_dim": args.head_dim}
         w = dataclasses.replace(w, **{field: value for field, value in overrides.items() if value is not None})
         caps = tuple(None if c == "none" else int(c) for c in args.register_caps)
-        tune(w, tbps, args.rep_ms, args.rotary, caps, tuple(args.warps), args.backward_only)
+        tune(w, tbps, args.rep_ms, args.rotary, caps, tuple(args.warps), args.backward_only, args.in_block)
         torch.cuda.empty_cache()
 
 
