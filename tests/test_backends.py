@@ -57,7 +57,7 @@ def test_fp8_block_attention_needs_fp8_gpus(capability, gpu_capability):
     on GPUs the kernels do not serve at all, the PyTorch path dequantises, as it runs everything there."""
     gpu_capability(capability)
     fp8 = call("fwd", dtype=torch.float8_e4m3fn)
-    if capability >= backends.FP8_CAPABILITY:
+    if capability >= devices.FP8_CAPABILITY:
         assert select(fp8).name == "triton"
     elif capability < (8, 0):
         assert select(fp8).name == "torch"

@@ -244,3 +244,137 @@ def test_gpu_compile_and_cuda_graph():
     graph.replay()
     assert torch.equal(result, eager)
     assert snr_db(eager.double().cpu(), block_attention_reference(*(t.cpu() for t in exact), offsets.cpu())) > 45
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# float8 through qkv_block_attention: the packed projection quantised with qkv_scale, then the fp8 attention.
+
+# Against the reference on the unquantised projection the fp8 rounding of q, k, v (3 mantissa bits) dominates.
+MIN_QKV_SNR_DB = 24.0
+# Against the attention of the projection quantised in float64 (the same fp8 q, k, v but for rounding ties and the
+# matmul's summation order), or the fp8 output's own rounding bound: far above what a wrong scale or a misplaced
+# head would give.
+MIN_WIRING_SNR_DB = 35.0
+
+
+def quantized_projection(n, d_model, hq, hkv, d, device, column_major=True):
+    """fp8 ``x [N, d_model]`` and ``w [d_model, (hq + 2 hkv) d]`` (column-major, as ``linear.weight.t()``, or
+    row-major), their descales, a float32 bias, ``qkv_scale`` (the projection's max over 448) and the float64
+    projection of the dequantised inputs."""
+    width = (hq + 2 * hkv) * d
+    x = torch.randn(n, d_model, device=device)
+    weight = torch.randn(width, d_model, device=device) / d_model**0.5
+    bias = 0.1 * torch.randn(width, device=device)
+    x_descale, w_descale = (t.abs().max().reshape(1) / fp8.FP8_MAX for t in (x, weight))
+    x8 = (x / x_descale).to(FP8)
+    w8 = (weight / w_descale).to(FP8).t()
+    if not column_major:
+        w8 = w8.contiguous()
+    exact = (x8.double() * x_descale.double()) @ (w8.double() * w_descale.double()) + bias.double()
+    qkv_scale = (exact.abs().max() / fp8.FP8_MAX).float().reshape(1)
+    return x8, w8, bias, x_descale, w_descale, qkv_scale, exact
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_GPU else []))
+@pytest.mark.parametrize("w_layout", ["column-major", "row-major"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_qkv_block_attention_fp8(device, w_layout, out_dtype, rotary):
+    """The projection's fp8 matmul (on a GPU with a column-major ``w``) or its float32 path, then the fp8
+    attention (GQA, a fused rotary): against the reference of the unquantised projection, and against block
+    attention of the projection quantised in float64."""
+    from conftest import random_angles
+
+    from blockattn.reference import rotary_reference
+
+    torch.manual_seed(0)
+    lengths = odd_lengths(32) + [100]
+    hq, hkv, d, n = 4, 2, 32, sum(lengths)
+    offsets = make_offsets(lengths, device)
+    x8, w8, bias, x_descale, w_descale, qkv_scale, exact = quantized_projection(
+        n, 64, hq, hkv, d, device, column_major=w_layout == "column-major")
+    sinu_pos = random_angles(n, d, device=device) if rotary else None
+    out_scale = out_scale_for(out_dtype, device)
+    out = blockattn.qkv_block_attention(x8, w8, offsets, num_heads=hq, num_kv_heads=hkv, bias=bias, block_size=32,
+                                        sinu_pos=sinu_pos, x_descale=x_descale, w_descale=w_descale,
+                                        qkv_scale=qkv_scale, out_dtype=out_dtype, out_scale=out_scale)
+    assert out.dtype == out_dtype and out.shape == (n, hq, d)
+    heads = [t.cpu() for t in exact.view(n, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)]
+    if rotary:
+        heads = [rotary_reference(t, sinu_pos.double().cpu()) for t in heads]
+    ref = block_attention_reference(*heads, offsets.cpu(), block_size=32)
+    assert snr_db(as_float64(out, out_scale).cpu(), ref) > MIN_QKV_SNR_DB
+    qkv8 = (exact / qkv_scale.double()).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(FP8)
+    q8, k8, v8 = qkv8.view(n, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    wired = blockattn.block_attention(q8, k8, v8, offsets, block_size=32, sinu_pos=sinu_pos, q_descale=qkv_scale,
+                                      k_descale=qkv_scale, v_descale=qkv_scale, out_dtype=torch.float32)
+    assert snr_db(as_float64(out, out_scale), wired.double()) > min(MIN_WIRING_SNR_DB, MIN_SNR_DB[out_dtype])
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_GPU else []))
+def test_fp8_projection_saturates(device):
+    """A projection beyond ``448 * qkv_scale`` saturates to e4m3's largest value, never NaN (the fp8 matmul and the
+    float32 path alike)."""
+    x8, w8, bias, x_descale, w_descale, qkv_scale, _ = quantized_projection(40, 64, 2, 1, 16, device)
+    qkv = fp8.projection(x8, w8, bias, x_descale, w_descale, qkv_scale / 4)
+    assert qkv.dtype == FP8 and not qkv.float().isnan().any()
+    assert qkv.float().abs().max() == fp8.FP8_MAX
+    assert (qkv.float().abs() == fp8.FP8_MAX).sum() < qkv.numel()  # the rest keeps its values
+
+
+def _qkv_call(**overrides):
+    x8, w8, bias, x_descale, w_descale, qkv_scale, _ = quantized_projection(20, 32, 2, 2, 16, "cpu")
+    kwargs = {"x": x8, "w": w8, "bias": bias, "x_descale": x_descale, "w_descale": w_descale,
+              "qkv_scale": qkv_scale, **overrides}
+    return blockattn.qkv_block_attention(kwargs.pop("x"), kwargs.pop("w"), make_offsets([20]), num_heads=2,
+                                         num_kv_heads=2, block_size=16, **kwargs)
+
+
+@pytest.mark.parametrize("overrides,error,message", [
+    ({"w": torch.zeros(32, 96)}, TypeError, r"w must have the dtype of x \(torch.float8_e4m3fn\)"),
+    ({"bias": torch.zeros(96).to(FP8)}, TypeError, "bias must be float32, bfloat16 or float16 with float8 x"),
+    ({"qkv_scale": None}, ValueError, "qkv_scale is required with float8_e4m3fn inputs"),
+    ({"x_descale": torch.ones(2)}, ValueError, "x_descale must be a 1-element float32 tensor"),
+    ({"w_descale": torch.ones(1, dtype=torch.float16)}, ValueError, "w_descale must be a 1-element float32"),
+    ({"out_dtype": FP8}, ValueError, "out_scale is required with out_dtype=torch.float8_e4m3fn"),
+    ({"bias": torch.zeros(96, requires_grad=True)}, ValueError,
+     "the float8 forward is for inference: bias must not require grad"),
+    ({"x": torch.zeros(20, 32)}, TypeError, r"w must have the dtype of x \(torch.float32\)"),
+])
+def test_qkv_fp8_validation(overrides, error, message):
+    with pytest.raises(error, match=message):
+        _qkv_call(**overrides)
+
+
+def test_qkv_fp8_arguments_need_fp8_inputs():
+    x, w = torch.randn(20, 32), torch.randn(32, 96)
+    for name, value in (("qkv_scale", torch.ones(1)), ("out_dtype", torch.bfloat16), ("x_descale", torch.ones(1))):
+        with pytest.raises(ValueError, match=f"{name} apply to float8_e4m3fn x and w only; x is torch.float32"):
+            blockattn.qkv_block_attention(x, w, make_offsets([20]), num_heads=2, num_kv_heads=2, **{name: value})
+
+
+@requires_gpu
+def test_gpu_qkv_fp8_refused_before_ada_compiled_and_graphed(monkeypatch):
+    """On a GPU without fp8 tensor cores the float8 projection is refused before anything runs; under
+    ``torch.compile(fullgraph=True)`` and in a CUDA graph it gives the eager result."""
+    from conftest import capture_cuda_graph
+
+    from blockattn import devices
+
+    lengths = odd_lengths(64) + [300]
+    offsets = make_offsets(lengths, "cuda")
+    x8, w8, bias, x_descale, w_descale, qkv_scale, _ = quantized_projection(sum(lengths), 128, 4, 2, 64, "cuda")
+
+    def run():
+        return blockattn.qkv_block_attention(x8, w8, offsets, num_heads=4, num_kv_heads=2, bias=bias,
+                                             x_descale=x_descale, w_descale=w_descale, qkv_scale=qkv_scale)
+
+    eager = run()
+    # Compiled, the scales' arithmetic may fuse differently: the same up to a rare fp8 rounding of q, k or v.
+    assert snr_db(torch.compile(run, fullgraph=True)().double(), eager.double()) > 40
+    graph, result = capture_cuda_graph(run)
+    graph.replay()
+    assert torch.equal(result, eager)
+    monkeypatch.setattr(devices, "capability", lambda device: (8, 6))
+    with pytest.raises(ValueError, match=r"x and w: float8_e4m3fn needs a GPU with fp8 tensor cores"):
+        run()

@@ -163,6 +163,11 @@ def qkv_block_attention(
     time_bias: torch.Tensor | None = None,
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH,
     dropout_p: float = 0.0,
+    x_descale: torch.Tensor | None = None,
+    w_descale: torch.Tensor | None = None,
+    qkv_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Projection, rotary and block attention: ``block_attention(q, k, v)`` with ``[q | k | v] = x @ w + bias``.
 
@@ -179,12 +184,22 @@ def qkv_block_attention(
             dropout_p: as for :func:`block_attention` (``sinu_pos`` is ``[N, D]`` and gets no gradient).
         num_heads, num_kv_heads: ``Hq`` and ``Hkv`` (``Hq % Hkv == 0``).
         bias: optional ``[(num_heads + 2 * num_kv_heads) * D]``.
+        x_descale, w_descale, qkv_scale, out_dtype, out_scale: float8 inference. With ``float8_e4m3fn`` ``x`` and
+            ``w`` (and a float32, bfloat16 or float16 ``bias``), the projection is that of the dequantised inputs
+            ``x * x_descale``, ``w * w_descale``, quantised as ``qkv / qkv_scale`` to e4m3 (saturated); the
+            attention then runs on the fp8 q, k, v with ``qkv_scale`` as their descale, as
+            :func:`block_attention`'s float8 forward (``out_dtype``, ``out_scale`` as there). The three scales
+            are required, 1-element float32 tensors on the device. On GPUs with fp8 tensor cores the projection is
+            one fp8 matmul (``torch._scaled_mm``) when ``w`` is column-major (``linear.weight.t()``) and
+            ``d_model`` and its width are multiples of 16; otherwise it runs in float32 on the dequantised
+            operands. Forward only: nothing may require grad.
 
     Returns ``[N, num_heads, D]``. Gradients flow to ``x``, ``w``, ``bias`` and the attention biases.
     """
     checks.projection(x, w, bias, num_heads, num_kv_heads)
     offsets, block_size, table = checks.block_structure(offsets, checks.num_tokens(x), block_size)
     checks.tensor("offsets", offsets)
+    checks.fp8_projection(x, w, bias, x_descale, w_descale, qkv_scale, out_dtype, out_scale)
     # Check the attention arguments from shapes alone, before the projection runs: views of a zero-stride tensor.
     shapes = custom_ops.split_heads(x.new_empty(()).expand(x.shape[0], w.shape[1]), num_heads, num_kv_heads)
     checks.attention(*shapes, offsets, block_size, scale)
@@ -192,10 +207,19 @@ def qkv_block_attention(
     timestamps = checks.in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, shapes[0],
                                  offsets, block_size)
     scale = 1.0 / math.sqrt(shapes[0].shape[-1]) if scale is None else float(scale)
+    options = (causal, pos_bias, timestamps, time_bias, float(time_bucket_width), float(dropout_p),
+               _dropout_seed(dropout_p, x.device), *_table_args(table))
+    if x.dtype == checks.FP8_DTYPE:
+        out_dtype = out_dtype or fp8.DEFAULT_OUT_DTYPE
+        checks.fp8_inference(*shapes, (qkv_scale,) * 3, out_dtype, out_scale,
+                             {"pos_bias": pos_bias, "time_bias": time_bias})
+        qkv = fp8.projection(x, w, bias, x_descale, w_descale, qkv_scale)
+        return custom_ops.block_attention(*custom_ops.split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
+                                          block_size, scale, rotate, *options, qkv_scale, qkv_scale, qkv_scale,
+                                          out_scale, out_dtype)
     qkv = x @ w if bias is None else torch.addmm(bias, x, w)
     return custom_ops.qkv_block_attention(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate,
-                                          causal, pos_bias, timestamps, time_bias, float(time_bucket_width),
-                                          float(dropout_p), _dropout_seed(dropout_p, x.device), *_table_args(table))
+                                          *options)
 
 
 def _table_args(table) -> tuple:

@@ -39,8 +39,6 @@ except ImportError as error:  # a triton without Gluon's Hopper API (before 3.6)
     _SM90_MISSING = f"needs triton >= 3.6 (Gluon's Hopper API): {error}"
 
 PASSES = ("fwd", "bwd")
-# fp8 tensor cores, and Triton's float8_e4m3fn: Ada (8.9) and later.
-FP8_CAPABILITY = (8, 9)
 
 
 @dataclass(frozen=True)
@@ -80,23 +78,13 @@ def tma_readable(t: torch.Tensor) -> bool:
     return rows_of_heads(t) and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def _fp8_capability_reason(device: torch.device) -> str | None:
-    """Why this GPU cannot run kernels on float8_e4m3fn (Triton has the type from Ada on), or None."""
-    capability = devices.capability(device)
-    if capability < FP8_CAPABILITY:
-        major, minor = FP8_CAPABILITY
-        return (f"float8_e4m3fn needs a GPU with fp8 tensor cores (compute capability {major}.{minor}+), this GPU "
-                f"has {capability[0]}.{capability[1]}")
-    return None
-
-
 def _triton_why_not(call: AttentionCall) -> str | None:
     if reason := devices.kernels_reason(call.device):
         return reason
     if call.dtype == FP8_DTYPE:
         if call.pass_name != "fwd":
             return "takes float8_e4m3fn in the forward only"
-        if reason := _fp8_capability_reason(call.device):
+        if reason := devices.fp8_reason(call.device):
             return reason
     elif call.dtype not in KERNEL_DTYPES:
         return f"takes float16, bfloat16, float32 and (forward) float8_e4m3fn, not {call.dtype}"
@@ -222,7 +210,7 @@ def _flash_kernel_why_not(call: FlashCall, kernel_variant: str) -> str | None:
         return reason
     if call.dtype not in FLASH_KERNEL_DTYPES:
         return f"takes float16, bfloat16 and float8_e4m3fn, not {call.dtype}"
-    if call.dtype == FP8_DTYPE and (reason := _fp8_capability_reason(call.device)):
+    if call.dtype == FP8_DTYPE and (reason := devices.fp8_reason(call.device)):
         return reason
     if not call.last_dim_contiguous:
         return "needs q, k, v with a contiguous last dimension"

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from . import devices
 from .block_table import BlockLayout, BlockTable
 from .ops.fp8 import FP8_DTYPE
 from .ops.in_block import MIN_BUCKET_WIDTH
@@ -224,8 +225,9 @@ def rotary_args(angles, rotate, q: torch.Tensor, offsets: torch.Tensor) -> tuple
 
 
 def projection(x, w, bias, num_heads, num_kv_heads) -> None:
-    """``x [N, d_model]``, ``w [d_model, (Hq + 2 Hkv) * D]``, ``bias`` and the head counts of the projection."""
-    float_tensor("x", x, 2, "[N, d_model]")
+    """``x [N, d_model]``, ``w [d_model, (Hq + 2 Hkv) * D]``, ``bias`` and the head counts of the projection. float8
+    ``x`` needs a float8 ``w`` and a floating ``bias`` (:func:`fp8_projection` checks their scales)."""
+    float_tensor("x", x, 2, "[N, d_model]", also=(FP8_DTYPE,))
     tensor("w", w)
     positive_int("num_heads", num_heads)
     positive_int("num_kv_heads", num_kv_heads)
@@ -240,10 +242,39 @@ def projection(x, w, bias, num_heads, num_kv_heads) -> None:
             raise ValueError(f"bias must be 1-D [{w.shape[1]}] (one per projected column), got {tuple(bias.shape)}")
         others.append(("bias", bias))
     for name, t in others:
-        if t.dtype != x.dtype:
+        if name == "bias" and x.dtype == FP8_DTYPE:
+            if t.dtype not in FP8_BIAS_DTYPES:
+                raise TypeError(f"bias must be {_dtype_names(FP8_BIAS_DTYPES)} with float8 x, got {t.dtype}")
+        elif t.dtype != x.dtype:
             raise TypeError(f"{name} must have the dtype of x ({x.dtype}), got {t.dtype}")
         if t.device != x.device:
             raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")
+
+
+# The bias of a float8 projection: added to its float32 result before the result is quantised.
+FP8_BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_projection(x, w, bias, x_descale, w_descale, qkv_scale, out_dtype, out_scale) -> None:
+    """float8 ``x`` and ``w`` of ``qkv_block_attention`` (inference): the GPU, their descales and the scale the packed
+    projection is quantised with, none requiring grad; for other inputs, that none of these (nor ``out_dtype``,
+    ``out_scale``, which :func:`fp8_inference` checks) is given."""
+    scales = {"x_descale": x_descale, "w_descale": w_descale, "qkv_scale": qkv_scale}
+    if x.dtype != FP8_DTYPE:
+        given = [name for name, value in {**scales, "out_dtype": out_dtype, "out_scale": out_scale}.items()
+                 if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to float8_e4m3fn x and w only; x is {x.dtype}")
+        return
+    if devices.kernels_run_on(x.device) and (reason := devices.fp8_reason(x.device)):
+        raise ValueError(f"x and w: {reason}")
+    _scale_tensors(scales, x.device, "x")
+    if torch.is_grad_enabled():
+        needing = [name for name, t in {"x": x, "w": w, "bias": bias, **scales}.items()
+                   if t is not None and t.requires_grad]
+        if needing:
+            raise ValueError(f"the float8 forward is for inference: {', '.join(needing)} must not require grad "
+                             "(call it under torch.no_grad() or detach them)")
 
 
 def rotary_input(x, angles) -> None:
@@ -273,15 +304,20 @@ def _descales(q_dtype: torch.dtype, device: torch.device, descales) -> None:
         if given:
             raise ValueError(f"{', '.join(given)} apply to float8_e4m3fn inputs only; q, k, v are {q_dtype}")
         return
-    for name, t in zip(names, descales):
+    _scale_tensors(dict(zip(names, descales)), device, "q")
+
+
+def _scale_tensors(named: dict, device: torch.device, input_name: str) -> None:
+    """The scales of float8 inputs: each given, a 1-element float32 tensor on ``device`` (that of ``input_name``)."""
+    for name, t in named.items():
         if t is None:
-            raise ValueError(f"{name} is required with float8_e4m3fn inputs (a 1-element float32 tensor: the "
-                             "dequantised input is the fp8 tensor times it)")
+            raise ValueError(f"{name} is required with float8_e4m3fn inputs (a 1-element float32 tensor; "
+                             "docs/semantics.md, fp8 inference)")
         tensor(name, t)
         if t.numel() != 1 or t.dtype != torch.float32:
             raise ValueError(f"{name} must be a 1-element float32 tensor, got {_describe(t)}")
         if t.device != device:
-            raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
+            raise ValueError(f"{name} must be on the device of {input_name} ({device}), got {t.device}")
 
 
 def flash(q, k, v, *, packed: bool, causal, causal_alignment, scale, return_lse, out_dtype, descales,

@@ -8,9 +8,12 @@ import torch
 
 # The Triton kernels use tensor-core products of Ampere and later (bf16, tf32).
 MIN_CAPABILITY = (8, 0)
+# fp8 tensor cores, and Triton's float8_e4m3fn: Ada (8.9) and later.
+FP8_CAPABILITY = (8, 9)
 
 
 @functools.cache
+@torch.compiler.assume_constant_result  # traced code (the float8 projection's checks) gets it as a constant
 def capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
@@ -30,3 +33,13 @@ def kernels_reason(device: torch.device) -> str | None:
 def kernels_run_on(device: torch.device) -> bool:
     """Whether the Triton kernels (attention, the block table's scan, ``apply_rotary``'s kernel) run on ``device``."""
     return kernels_reason(device) is None
+
+
+def fp8_reason(device: torch.device) -> str | None:
+    """Why float8_e4m3fn cannot run on ``device``, a GPU the kernels serve (no fp8 tensor cores, and Triton has no
+    e4m3 type, before Ada), or None."""
+    major, minor = capability(device)
+    if (major, minor) < FP8_CAPABILITY:
+        return (f"float8_e4m3fn needs a GPU with fp8 tensor cores (compute capability {FP8_CAPABILITY[0]}."
+                f"{FP8_CAPABILITY[1]}+), this GPU has {major}.{minor}")
+    return None

@@ -6,6 +6,9 @@ both products run on 16-bit tensor cores with fp32 accumulation and the probabil
 half the bytes of a 16-bit one and stays memory-bound, at 16-bit accuracy on the dequantised inputs. The descales
 are read on the device (never on the host): the scores are scaled by ``q_descale * k_descale`` before the softmax,
 the output by ``v_descale``, and an fp8 output by ``1 / out_scale`` then saturated to e4m3's range.
+
+``qkv_block_attention`` of float8 ``x`` and ``w`` first quantises its packed projection (:func:`projection`): the
+attention then reads fp8 q, k, v whose descale is ``qkv_scale``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from .. import devices
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The largest finite e4m3fn value: fp8 outputs saturate to it rather than overflow to NaN.
@@ -51,3 +56,26 @@ def output(out: torch.Tensor, scales: Fp8Scales) -> torch.Tensor:
     if scales.out_dtype == FP8_DTYPE:
         return (out / scales.out_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return out.to(scales.out_dtype)
+
+
+def projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, x_descale: torch.Tensor,
+               w_descale: torch.Tensor, qkv_scale: torch.Tensor) -> torch.Tensor:
+    """The packed fp8 projection ``e4m3(((x * x_descale) @ (w * w_descale) + bias) / qkv_scale)``, saturated to
+    ``±FP8_MAX``. One ``torch._scaled_mm`` (fp8 tensor cores, fp32 accumulation) where it takes the layouts: on a
+    GPU with fp8 tensor cores, ``x`` row-major and ``w`` column-major (``linear.weight.t()`` is), ``d_model`` and
+    the projection's width multiples of 16. ``1 / qkv_scale`` is folded into ``x``'s scale and the bias divided by
+    it, rather than passed as ``scale_result``, which CUDA ignores in torch 2.10 and 2.11 (pytorch#190449).
+    Elsewhere (the CPU, other layouts) in float32 through the dequantised operands."""
+    if _scaled_mm_takes(x, w):
+        scaled_bias = None if bias is None else (bias.float() / qkv_scale).to(torch.bfloat16)
+        return torch._scaled_mm(x, w, x_descale / qkv_scale, w_descale, bias=scaled_bias, out_dtype=FP8_DTYPE)
+    out = dequantized(x, x_descale) @ dequantized(w, w_descale)
+    if bias is not None:
+        out = out + bias.float()
+    return (out / qkv_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _scaled_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (x.device.type == "cuda" and devices.kernels_run_on(x.device) and devices.fp8_reason(x.device) is None
+            and x.shape[0] > 0 and x.shape[1] % 16 == 0 and w.shape[1] % 16 == 0
+            and x.stride() == (x.shape[1], 1) and w.stride() == (1, w.shape[0]))
