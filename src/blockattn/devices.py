@@ -1,4 +1,5 @@
-"""Which devices the Triton kernels run on: NVIDIA GPUs from Ampere on. Elsewhere the PyTorch path runs."""
+"""Which devices the Triton kernels run on: NVIDIA GPUs from Ampere on (float8 from Ada on). Elsewhere the PyTorch
+path runs."""
 
 from __future__ import annotations
 
