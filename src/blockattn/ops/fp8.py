@@ -67,8 +67,10 @@ def projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, x_de
     it, rather than passed as ``scale_result``, which CUDA ignores in torch 2.10 and 2.11 (pytorch#190449).
     Elsewhere (the CPU, other layouts) in float32 through the dequantised operands."""
     if _scaled_mm_takes(x, w):
-        scaled_bias = None if bias is None else (bias.float() / qkv_scale).to(torch.bfloat16)
-        return torch._scaled_mm(x, w, x_descale / qkv_scale, w_descale, bias=scaled_bias, out_dtype=FP8_DTYPE)
+        # A zero bias where none is given: one epilogue (a bf16 vector of the projection's width) for both cases.
+        bias = x.new_zeros(w.shape[1], dtype=torch.float32) if bias is None else bias.float()
+        return torch._scaled_mm(x, w, x_descale / qkv_scale, w_descale, bias=(bias / qkv_scale).to(torch.bfloat16),
+                                out_dtype=FP8_DTYPE)
     out = dequantized(x, x_descale) @ dequantized(w, w_descale)
     if bias is not None:
         out = out + bias.float()
