@@ -3,13 +3,14 @@
     python benchmarks/tune_block_attention.py --preset ads ads-d64 short
     python benchmarks/tune_block_attention.py --preset ads --kv-heads 1 --rotary   # GQA 4:1, fused rotary
 
-Prints, per workload, each setting's median time as a multiple of the memory floor (kernels only; the op adds
-the block table, printed first), for the backward, the forward and the fp8 forward (inputs quantised from the
-workload's; ``--backward-only`` skips both forwards); ``--warps`` picks the warp counts tried; ``--in-block`` adds
-a causal mask and both biases (floors are the plain op's). It calls the Triton launchers directly, with their tuning overrides: on Hopper the
-dispatcher sends the production backward to the Gluon kernel instead (`python -m blockattn info`). ``--heads``,
-``--kv-heads`` (GQA), ``--block-size`` and ``--head-dim`` override the presets' shape; ``--rotary`` fuses a rotary
-of q, k, v with fp32 angles (floors count them). Settings the GPU cannot run are listed with the reason.
+Prints, per workload, each setting's median time as a multiple of the memory floor (kernels only; the op adds the
+block table, printed first), for the backward, the forward and the fp8 forward (inputs quantised from the
+workload's; ``--backward-only`` skips both forwards); ``--warps`` picks the warp counts tried; ``--in-block`` adds a
+causal mask and both biases (floors are the plain op's). It calls the Triton launchers directly, with their tuning
+overrides: on Hopper the dispatcher sends the production backward to the Gluon kernel instead (`python -m blockattn
+info`). ``--heads``, ``--kv-heads`` (GQA), ``--block-size`` and ``--head-dim`` override the presets' shape;
+``--rotary`` fuses a rotary of q, k, v with fp32 angles (floors count them). Settings the GPU cannot run are listed
+with the reason.
 """
 
 import argparse
@@ -36,7 +37,7 @@ def _backward_variants(w, rotary: bool, in_block: bool) -> list[dict]:
     under GQA each width with the group's loop one and two stages deep, and (no rotary, no in-block options) the
     persistent kernel at 2 and 3 stages."""
     cfg = triton_ops.kernel_config(w.block_size, w.head_dim, backward=True, group=w.heads // w.kv_heads,
-                                   rotary=rotary, persistent=not in_block, in_block=in_block)
+                                   rotary=rotary, persistent=not in_block)
     variants = [{}]
     if w.heads == w.kv_heads:
         # a number: one block per program with that many head-dim slices each (None: the default kernel choice,
@@ -81,10 +82,10 @@ def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple, warps_tried: tu
     floors = {p: (b + angle_bytes) / (tbps * 1e12) * 1e3 for p, b in floor_bytes(w, n).items()}
     bs, scale = w.block_size, 1 / math.sqrt(w.head_dim)
     table_ms = time_ms(lambda: build_block_table(case.offsets, n, bs), rep_ms)["p50"]
-    print(f"{w.name} (Hq {w.heads}, Hkv {w.kv_heads}, rotary {rotary}, in-block options {in_block}): N={n} floor fwd {floors['fwd']:.3f} ms, "
-          f"bwd {floors['bwd']:.3f} ms; block table alone {table_ms * 1e3:.1f} us")
+    print(f"{w.name} (Hq {w.heads}, Hkv {w.kv_heads}, rotary {rotary}, in-block options {in_block}): N={n} "
+          f"floor fwd {floors['fwd']:.3f} ms, bwd {floors['bwd']:.3f} ms; block table alone {table_ms * 1e3:.1f} us")
     rule = triton_ops.kernel_config(bs, w.head_dim, backward=True, group=w.heads // w.kv_heads, rotary=rotary,
-                                    persistent=not in_block, in_block=in_block)
+                                    persistent=not in_block)
     print(f"  the rule's backward ('default' rows, at its warps): {dict(rule)}")
     grads = tuple(torch.empty_like(t) for t in case.inputs)
     for warps, cap, variant in itertools.product(warps_tried, caps, _backward_variants(w, rotary, in_block)):

@@ -1,7 +1,7 @@
 """The configuration sweep (``python -m blockattn bench --sweep``): block size x head dim x GQA ratio x dtype x
 rotary, forward and backward, each as time over its own memory floor and as TFLOP/s (next to the rate the floor's
-time would need: the GQA backward at 128-token blocks is bound by its arithmetic); a table, ``sweep.json``
-and a heatmap ``sweep.png``.
+time would need: the GQA backward at 128-token blocks is bound by the kernels' arithmetic rate); a table,
+``sweep.json`` and a heatmap ``sweep.png``.
 
 Rotary is ``none``, ``fp32 angles`` (``sinu_pos`` in float32, as a user builds it) or ``input angles`` (in the
 inputs' dtype, bf16 for fp8: half the angle bytes); each floor counts its own angle bytes. fp8 is the forward only
@@ -173,8 +173,8 @@ def print_report(report: dict, console) -> None:
                       r["rotary"], str(r["tokens"]), *passes[0], *passes[1])
     console.print(table)
     console.print("TFLOP/s: the products' FLOPs (2 forward, 5 backward, over the in-block pairs) per second; in "
-                  "brackets the rate the memory floor's time would take: where that is beyond what the tensor cores "
-                  "sustain at these tile sizes, the configuration is bound by its arithmetic, not by memory.")
+                  "brackets the rate the memory floor's time would take: where that is beyond what the kernel "
+                  "sustains, its arithmetic rate, not memory, bounds the configuration.")
     for f in report["failed"]:
         console.print(f"FAILED: BS {f['block_size']}, D {f['head_dim']}, Hkv {f['kv_heads']}, {f['dtype']}, "
                       f"{f['rotary']}: {f['reason']}", style="bold red", markup=False)

@@ -78,21 +78,21 @@ def min_chunk(rotary: bool) -> int:
 
 @functools.cache  # read-only: one mapping per shape, computed once (launches are host-bound on small batches)
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
-                  rotary: bool = False, persistent: bool = True, in_block: bool = False) -> MappingProxyType:
+                  rotary: bool = False, persistent: bool = True) -> MappingProxyType:
     """Compile-time shape and launch of a kernel, by a rule measured on an H100 (the 4-warp default and the MHA
     persistent kernel also on an H200; docs/benchmarks.md).
 
     Head-dim slices of at most 64 x 128 elements in the forward. The backward takes whole rows up to 128 x 128
     elements for 16-bit inputs without GQA (128-token blocks at D = 128 and 64-token blocks at D = 256: 1.54x and
     1.36x the floor on an H100, against 2.34x and 1.50x for 64 x 64 slices), in slices of 128 x 128 beyond. Under
-    GQA (16-bit) 64- and 128-token blocks take slices of 64 x 128 elements: each slice's program recomputes the
-    whole block's scores for every query head of the group, so wider slices redo less, until the group's dk and dv
-    accumulators spill registers (4:1 on an H100, against the 64 x 64 slices before: 128-token blocks at D = 128
-    3.9x the floor against 7.3x, and 5.8x for whole rows; 2:1 at D = 256 5.4x against 12.1x, 5.9x for 128
-    columns; 64-token blocks at D = 256 2.8x against 3.7x, and at D = 128 where the persistent kernel may not run
-    1.6x against 2.4x). Smaller blocks, fp32 inputs, and ``in_block`` options (a causal mask, biases, dropout:
-    their tiles add registers) take 64 x 64 slices (4:1 with a causal mask and both biases at D = 128: 11.9x the
-    plain floor against 14.4x for 64 x 128).
+    GQA (16-bit) 128-token blocks, and 64-token blocks at D > 128, take slices of 64 x 128 elements: each slice's
+    program recomputes the whole block's scores for every query head of the group, so wider slices redo less, until
+    the group's dk and dv accumulators spill registers (4:1 on an H100, against the 64 x 64 slices before:
+    128-token blocks at D = 128 3.9x the floor against 7.3x, and 5.8x for whole rows; 2:1 at D = 256 5.4x against
+    12.1x, 5.9x for 128 columns; 64-token blocks at D = 256 2.8x against 3.7x). Other shapes, and fp32 inputs,
+    take 64 x 64 slices; at 64-token blocks with D <= 128 that is the one-block kernel of in-block options and of
+    layouts the persistent kernel does not take (4:1 with a causal mask and both biases at D = 128: 12.0x the
+    plain floor against 14.5x for 64 x 128).
 
     The backward of 64-token blocks with 64 < D <= 128 and 16-bit inputs runs a persistent loop that prefetches the
     next step's tiles three deep (the dispatcher sends the one without GQA to ``block_attention_sm90`` on Hopper
@@ -104,7 +104,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     not, its shapes get the one-block kernel's slices.
 
     Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), slices wider than 64 x 128, or,
-    at 64-token blocks, whole-row dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2
+    at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2
     and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit
     forward with a fused rotary under GQA takes 8 at 64-token blocks and D >= 128 (1.32x against 1.55x at 4:1),
     else 4. Where the rule has no measurement (16- and 32-token blocks) it keeps 4.
@@ -117,8 +117,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     block_d = max(min_width, triton.next_power_of_2(head_dim))
     pipelined = (backward and persistent and not rotary and block_size == 64 and 64 < block_d <= 128
                  and element_size == 2)
-    if not backward or rotary or pipelined or (group > 1 and element_size == 2 and block_size >= 64
-                                               and not in_block):
+    wide_gqa = group > 1 and element_size == 2 and (block_size == 128 or (block_size == 64 and block_d > 128))
+    if not backward or rotary or pipelined or wide_gqa:
         max_slice = 64 * 128
     elif group == 1 and element_size == 2:
         max_slice = 128 * 128
@@ -751,8 +751,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     dq, dk, dv = grads
     two_layouts = q.stride() == dq.stride() and len({t.stride() for t in (k, v, dk, dv)}) == 1
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
-                        rotary=bool(rotate), persistent=two_layouts and not options.bits,
-                        in_block=bool(options.bits))
+                        rotary=bool(rotate), persistent=two_layouts and not options.bits)
     if chunk is not None:
         min_width = min_chunk(bool(rotate))
         if chunk < min_width or chunk > cfg["BLOCK_D"] or chunk & (chunk - 1):
