@@ -277,12 +277,12 @@ def quantized_projection(n, d_model, hq, hkv, d, device, column_major=True):
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_GPU else []))
 @pytest.mark.parametrize("w_layout", ["column-major", "row-major"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, True), (FP8, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
-def test_qkv_block_attention_fp8(device, w_layout, out_dtype, rotary):
-    """The projection's fp8 matmul (on a GPU with a column-major ``w``) or its float32 path, then the fp8
-    attention (GQA, a fused rotary): against the reference of the unquantised projection, and against block
-    attention of the projection quantised in float64."""
+def test_qkv_block_attention_fp8(device, w_layout, out_dtype, with_bias, rotary):
+    """The projection's fp8 matmul (on a GPU with a column-major ``w``) or its float32 path, with and without a
+    bias, then the fp8 attention (GQA, a fused rotary): against the reference of the unquantised projection, and
+    against block attention of the projection quantised in float64."""
     from conftest import random_angles
 
     from blockattn.reference import rotary_reference
@@ -293,6 +293,10 @@ def test_qkv_block_attention_fp8(device, w_layout, out_dtype, rotary):
     offsets = make_offsets(lengths, device)
     x8, w8, bias, x_descale, w_descale, qkv_scale, exact = quantized_projection(
         n, 64, hq, hkv, d, device, column_major=w_layout == "column-major")
+    assert fp8._scaled_mm_takes(x8, w8) == (device == "cuda" and w_layout == "column-major")
+    if not with_bias:
+        exact = exact - bias.double()
+        bias = None
     sinu_pos = random_angles(n, d, device=device) if rotary else None
     out_scale = out_scale_for(out_dtype, device)
     out = blockattn.qkv_block_attention(x8, w8, offsets, num_heads=hq, num_kv_heads=hkv, bias=bias, block_size=32,
