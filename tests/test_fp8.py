@@ -10,7 +10,7 @@ from blockattn.block_table import build_block_table
 from blockattn.ops import block_attention as triton_ops
 from blockattn.ops import fp8
 from blockattn.ops.in_block import PLAIN
-from blockattn.reference import block_attention_reference, snr_db
+from blockattn.reference import block_attention_reference, quantised_fp8, snr_db
 
 FP8 = torch.float8_e4m3fn
 # SNR bounds against the reference on the dequantised inputs (dB): the products are 16-bit with fp32 accumulation,
@@ -262,12 +262,10 @@ def quantized_projection(n, d_model, hq, hkv, d, device, column_major=True):
     row-major), their descales, a float32 bias, ``qkv_scale`` (the projection's max over 448) and the float64
     projection of the dequantised inputs."""
     width = (hq + 2 * hkv) * d
-    x = torch.randn(n, d_model, device=device)
-    weight = torch.randn(width, d_model, device=device) / d_model**0.5
+    x8, x_descale = quantised_fp8(torch.randn(n, d_model, device=device))
+    w8, w_descale = quantised_fp8(torch.randn(width, d_model, device=device) / d_model**0.5)
+    w8 = w8.t()
     bias = 0.1 * torch.randn(width, device=device)
-    x_descale, w_descale = (t.abs().max().reshape(1) / fp8.FP8_MAX for t in (x, weight))
-    x8 = (x / x_descale).to(FP8)
-    w8 = (weight / w_descale).to(FP8).t()
     if not column_major:
         w8 = w8.contiguous()
     exact = (x8.double() * x_descale.double()) @ (w8.double() * w_descale.double()) + bias.double()
@@ -308,7 +306,7 @@ def test_qkv_block_attention_fp8(device, w_layout, out_dtype, with_bias, rotary)
         heads = [rotary_reference(t, sinu_pos.double().cpu()) for t in heads]
     ref = block_attention_reference(*heads, offsets.cpu(), block_size=32)
     assert snr_db(as_float64(out, out_scale).cpu(), ref) > MIN_QKV_SNR_DB
-    qkv8 = (exact / qkv_scale.double()).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(FP8)
+    qkv8 = fp8.saturated_fp8(exact, qkv_scale.double())
     q8, k8, v8 = qkv8.view(n, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
     wired = blockattn.block_attention(q8, k8, v8, offsets, block_size=32, sinu_pos=sinu_pos, q_descale=qkv_scale,
                                       k_descale=qkv_scale, v_descale=qkv_scale, out_dtype=torch.float32)

@@ -149,12 +149,18 @@ def fp8_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: t
         if out_scale.numel() != 1 or out_scale.dtype != torch.float32 or out_scale.device != q.device:
             raise ValueError(f"out_scale must be a 1-element float32 tensor on the device of q ({q.device}), got "
                              f"{_describe(out_scale)}")
-    if torch.is_grad_enabled():
-        named = {"q": q, "k": k, "v": v, **dict(zip(("q_descale", "k_descale", "v_descale"), descales)), **biases}
-        needing = [name for name, t in named.items() if t is not None and t.requires_grad]
-        if needing:
-            raise ValueError(f"the float8 forward is for inference: {', '.join(needing)} must not require grad "
-                             "(call it under torch.no_grad() or detach them)")
+    _inference_only({"q": q, "k": k, "v": v, **dict(zip(("q_descale", "k_descale", "v_descale"), descales)),
+                     **biases})
+
+
+def _inference_only(named: dict) -> None:
+    """The float8 forward's tensors (None where absent) must not require grad where autograd records."""
+    if not torch.is_grad_enabled():
+        return
+    needing = [name for name, t in named.items() if t is not None and t.requires_grad]
+    if needing:
+        raise ValueError(f"the float8 forward is for inference: {', '.join(needing)} must not require grad "
+                         "(call it under torch.no_grad() or detach them)")
 
 
 def sinu_pos(angles, x: torch.Tensor, x_name: str) -> None:
@@ -269,12 +275,7 @@ def fp8_projection(x, w, bias, x_descale, w_descale, qkv_scale, out_dtype, out_s
     if devices.kernels_run_on(x.device) and (reason := devices.fp8_reason(x.device)):
         raise ValueError(f"x and w: {reason}")
     _scale_tensors(scales, x.device, "x")
-    if torch.is_grad_enabled():
-        needing = [name for name, t in {"x": x, "w": w, "bias": bias, **scales}.items()
-                   if t is not None and t.requires_grad]
-        if needing:
-            raise ValueError(f"the float8 forward is for inference: {', '.join(needing)} must not require grad "
-                             "(call it under torch.no_grad() or detach them)")
+    _inference_only({"x": x, "w": w, "bias": bias, **scales})
 
 
 def rotary_input(x, angles) -> None:

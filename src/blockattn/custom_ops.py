@@ -364,35 +364,39 @@ def in_block_pairs(offsets: torch.Tensor, num_tokens: int, block_size: int, caus
     return int((full * block_size * block_size + rest * rest).sum())
 
 
+# Products per pass: q k^T and P V; the backward's recomputed q k^T, dO V^T, dV, dQ and dK.
+MATMULS = {"fwd": 2, "bwd": 5}
+
+
 def attention_flops(offsets, num_tokens, num_heads, head_dim, block_size, causal, matmuls) -> int:
-    """FLOPs of ``matmuls`` products (2 forward, 5 backward) over the in-block pairs of ``num_heads`` query heads:
-    ``2 * D`` per pair, head and product (rotary, biases and dropout add a few per element)."""
+    """FLOPs of ``matmuls`` products (``MATMULS``) over the in-block pairs of ``num_heads`` query heads: ``2 * D``
+    per pair, head and product (rotary, biases and dropout add a few per element)."""
     return 2 * matmuls * in_block_pairs(offsets, num_tokens, block_size, causal) * num_heads * head_dim
 
 
 @register_flop_formula(torch.ops.blockattn.block_attention_fwd, get_raw=True)
 def _fwd_flops(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, *args, **kwargs) -> int:
-    return attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, causal, matmuls=2)  # qk^T, pv
+    return attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, causal, MATMULS["fwd"])
 
 
 @register_flop_formula(torch.ops.blockattn.block_attention_bwd, get_raw=True)
 def _bwd_flops(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate, causal=False,
                *args, **kwargs) -> int:
-    return attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, causal, matmuls=5)
+    return attention_flops(offsets, q.shape[0], q.shape[1], q.shape[2], block_size, causal, MATMULS["bwd"])
 
 
 @register_flop_formula(torch.ops.blockattn.qkv_block_attention_fwd, get_raw=True)
 def _qkv_fwd_flops(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal=False,
                    *args, **kwargs) -> int:
     head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
-    return attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, causal, matmuls=2)
+    return attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, causal, MATMULS["fwd"])
 
 
 @register_flop_formula(torch.ops.blockattn.qkv_block_attention_bwd, get_raw=True)
 def _qkv_bwd_flops(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads, block_size,
                    scale, rotate, causal=False, *args, **kwargs) -> int:
     head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
-    return attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, causal, matmuls=5)
+    return attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, causal, MATMULS["bwd"])
 
 
 def _flash_attention_fwd(

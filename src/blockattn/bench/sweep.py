@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import blockattn
-from blockattn.custom_ops import attention_flops
+from blockattn.custom_ops import MATMULS, attention_flops
 from blockattn.ops.tiles import ROTATE_ALL, ROTATE_NONE
 from blockattn.reference import quantised_fp8, random_angles
 
@@ -40,7 +40,6 @@ FP8 = "float8_e4m3fn"  # forward only (inference), bf16 output
 DTYPES = ("bfloat16", "float16", FP8)
 ROTARY = ("none", "fp32 angles", "input angles")
 PASSES = ("fwd", "bwd")
-MATMULS = {"fwd": 2, "bwd": 5}  # q k^T and P V; and the backward's recomputed q k^T, dO V^T, dV, dQ, dK
 QUERY_ELEMENTS = 2**27
 MEAN_LENGTH = 1400
 

@@ -54,8 +54,13 @@ def dequantized(t: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype = tor
 def output(out: torch.Tensor, scales: Fp8Scales) -> torch.Tensor:
     """A float32 result in ``scales.out_dtype``: divided by ``out_scale`` and saturated for fp8."""
     if scales.out_dtype == FP8_DTYPE:
-        return (out / scales.out_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return saturated_fp8(out, scales.out_scale)
     return out.to(scales.out_dtype)
+
+
+def saturated_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``t / scale`` in e4m3, saturated to ``±FP8_MAX`` (e4m3fn has no infinity: an overflow would be NaN)."""
+    return (t / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, x_descale: torch.Tensor,
@@ -74,7 +79,7 @@ def projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, x_de
     out = dequantized(x, x_descale) @ dequantized(w, w_descale)
     if bias is not None:
         out = out + bias.float()
-    return (out / qkv_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return saturated_fp8(out, qkv_scale)
 
 
 def _scaled_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
