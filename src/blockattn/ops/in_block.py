@@ -188,13 +188,11 @@ def _time_buckets(rows, row_ok, mods):
     else:
         dt = tl.abs(t[None, :].to(tl.int64) - t[:, None].to(tl.int64)).to(tl.float32)
     a = tl.maximum(dt, 1.0)
-    x = tl.log2(a) * bucket_scale
-    guess = tl.minimum(x.to(tl.int32), num_buckets - 1)
-    # The estimate is off by at most one. Both edges are read for every pair (the table sits in L1): masking the
-    # reads to the pairs near an edge measured slower (docs/benchmarks.md).
-    below = a < tl.load(edges_ptr + guess)
+    # The fast log2 is off by far less than half a bucket (even at MIN_BUCKET_WIDTH), so half a bucket below the
+    # estimate is the bucket or the one under it: one edge read per pair settles which.
+    guess = tl.minimum(tl.maximum(tl.log2(a) * bucket_scale - 0.5, 0.0).to(tl.int32), num_buckets - 1)
     above = a >= tl.load(edges_ptr + guess + 1)
-    return tl.minimum(tl.maximum(guess - below.to(tl.int32) + above.to(tl.int32), 0), num_buckets - 1)
+    return tl.minimum(guess + above.to(tl.int32), num_buckets - 1)
 
 
 @triton.jit
