@@ -333,7 +333,8 @@ class NoProgress:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """Stand-ins for what only a GPU measures: timings, peak memory, copy bandwidth, the environment."""
+    """Stand-ins for what only a GPU measures: timings, CUDA graphs, peak memory, copy bandwidth, the
+    environment."""
     def time_ms(fn, rep_ms):
         fn()
         return {"p20": 0.9, "p50": 1.0, "p80": 1.2}
@@ -343,6 +344,7 @@ def fake_gpu(monkeypatch):
         return 64.0
 
     monkeypatch.setattr(harness, "time_ms", time_ms)
+    monkeypatch.setattr(harness, "graphed", lambda fn: fn)
     monkeypatch.setattr(harness, "peak_mib", peak_mib)
     monkeypatch.setattr(harness, "environment", lambda: dict(FAKE_ENV))
     monkeypatch.setattr(harness, "copy_bandwidth_tbps", lambda rep_ms: 3.0)

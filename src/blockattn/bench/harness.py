@@ -69,6 +69,20 @@ def time_ms(fn, rep_ms: int) -> dict[str, float]:
     return dict(zip(QUANTILES, map(float, times)))
 
 
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after warm-up on a side stream, as PyTorch's docs do); returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def peak_mib(fn) -> float:
     """Memory one call of ``fn`` allocates at its peak, above what was allocated before it, in MiB. A call of its
     own rather than around the timing: do_bench allocates a buffer to flush L2 that would count too."""

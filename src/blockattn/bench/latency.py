@@ -46,20 +46,6 @@ def wall_us(fn, calls: int = 200, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def graphed(fn):
-    """``fn`` captured in a CUDA graph (after warm-up on a side stream, as PyTorch's docs do); returns the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def _calls(num_seqs: int, length: int, seed: int) -> dict:
     """The timed calls of one batch: ``{(impl, mode, pass): fn}``."""
     n = num_seqs * length
@@ -108,7 +94,7 @@ def run(seed: int = 0, batches=BATCHES, calls_per_repeat: int = 200, progress=No
     task = progress.add_task("latency", total=len(batches)) if progress else None
     for num_seqs, length in batches:
         for (impl, mode, pass_name), fn in _calls(num_seqs, length, seed).items():
-            timed = graphed(fn) if mode == "graph" else fn
+            timed = harness.graphed(fn) if mode == "graph" else fn
             rows.append({"batch": f"{num_seqs} x {length}", "tokens": num_seqs * length, "impl": impl, "mode": mode,
                          "pass": pass_name, "us": wall_us(timed, calls_per_repeat)})
         if progress:

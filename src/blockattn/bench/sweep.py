@@ -8,7 +8,9 @@ inputs' dtype, bf16 for fp8: half the angle bytes); each floor counts its own an
 (inference: q, k, v quantised per tensor from bf16, bf16 output). Every configuration runs on ``ads``-like
 lengths (800 to 2000 tokens) with 8 query heads and as many sequences as make about 2**27 query elements (256 MiB
 of 16-bit queries, enough to fill an H100 or H200). Times: the forward through ``block_attention``, the backward
-op alone from a block table built beforehand (as in ``bench``).
+op alone from a block table built beforehand (as in ``bench``), each replayed as a CUDA graph: the GPU's time
+without the host's (``bench --latency`` measures that; at this size the eager fp8 forward, about 0.26 ms of GPU
+time, measured 0.36 ms a call on an H100's host).
 
 The whole grid is 576 configurations, each compiling its kernels (28 of them took about 70 s on an H100 at
 ``--rep-ms 20``, so the grid about 25 minutes); ``--block-size``, ``--head-dim``, ``--kv-heads`` and ``--dtype``
@@ -123,7 +125,7 @@ def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed
         forward, floors["fwd"] = _fp8_forward(case, w, n, sinu_pos, angle_bytes, tbps)
     row = {**asdict(config), "tokens": n, "gqa": NUM_HEADS // config.kv_heads}
     for pass_name, fn in zip(config.passes, (forward, backward)):
-        ms = harness.time_ms(fn, rep_ms)
+        ms = harness.time_ms(harness.graphed(fn), rep_ms)
         flops = attention_flops(case.offsets, n, NUM_HEADS, config.head_dim, config.block_size, False,
                                 MATMULS[pass_name])
         row[pass_name] = {"ms": ms["p50"], "quantiles_ms": ms, "floor_ms": floors[pass_name],
