@@ -127,10 +127,12 @@ def test_backward_chunk_override(chunk, rotary):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_forward_heads_per_program_override(dtype):
-    """Under GQA the forward's rule runs a kv head's group of query heads in one program (k and v read once); one
-    program per query head gives the same output. Other counts, and the group with a rotary or with head-dim
-    slices, are refused before any launch."""
-    assert triton_ops.kernel_config(16, 64, backward=False, group=2)["HEADS_PER_PROGRAM"] == 2
+    """Under GQA the forward's rule runs a kv head's group of query heads in one program at 64-token blocks (k and v
+    read, and turned by a rotary, once); one program per query head gives the same output, here at 16-token blocks
+    through the override. Other counts, and the group where the head dim takes several slices, are refused before
+    any launch."""
+    assert triton_ops.kernel_config(64, 128, backward=False, group=2)["HEADS_PER_PROGRAM"] == 2
+    assert triton_ops.kernel_config(16, 64, backward=False, group=2)["HEADS_PER_PROGRAM"] == 1
 
     inputs = {d: random_inputs(odd_lengths(16), 4, 2, d, dtype, KERNEL_DEVICE) for d in (64, 128)}
 
@@ -140,13 +142,13 @@ def test_forward_heads_per_program_override(dtype):
         return triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, block_size, 0.125, sinu_pos, rotate,
                                                      **override)
 
-    torch.testing.assert_close(forward(heads_per_program=1), forward())
+    torch.testing.assert_close(forward(heads_per_program=2), forward())
+    angles = random_angles(sum(odd_lengths(16)), 64, device=KERNEL_DEVICE)
+    torch.testing.assert_close(forward(sinu_pos=angles, rotate=ROTATE_ALL, heads_per_program=2),
+                               forward(sinu_pos=angles, rotate=ROTATE_ALL))
     for bad in (3, 4):
         with pytest.raises(ValueError, match="heads_per_program must be 1, or the GQA group"):
             forward(heads_per_program=bad)
-    angles = random_angles(sum(odd_lengths(16)), 64, device=KERNEL_DEVICE)
-    with pytest.raises(ValueError, match="heads_per_program"):
-        forward(sinu_pos=angles, rotate=ROTATE_ALL, heads_per_program=2)
     assert triton_ops.kernel_config(128, 128, backward=False, group=2)["NUM_CHUNKS"] > 1
     with pytest.raises(ValueError, match="heads_per_program"):
         forward(head_dim=128, block_size=128, heads_per_program=2)

@@ -103,16 +103,18 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     run (it takes no in-block options, and needs q and dq in one layout, k, v, dk and dv in another); where it may
     not, its shapes get the one-block kernel's slices.
 
-    The forward under GQA without a rotary, where one slice holds the head dim, runs the group's query heads in one
-    program on k and v read once (``HEADS_PER_PROGRAM``; at `ads` lengths on an H100, bf16 against one program per
-    query head: 4:1 at D = 128 1.02x the floor against 1.07x, 8:1 1.03x against 1.11x, 8:1 at D = 64 1.09x against
-    1.25x; fp8 4:1 1.18x against 1.28x; 8 warps lost by 15-30%).
+    The forward under GQA at 64-token blocks, where one slice holds the head dim, runs the group's query heads in one
+    program on k and v read (and turned, with a rotary) once (``HEADS_PER_PROGRAM``, 4 warps; other block sizes,
+    not measured with it, keep a program per query head; at `ads` lengths on an H100, against
+    one program per query head: bf16 4:1 at D = 128 1.02x the floor against 1.07x, 8:1 1.03x against 1.11x, 8:1 at
+    D = 64 1.09x against 1.25x; fp8 4:1 1.18x against 1.28x; with a rotary and fp32 angles 4:1 1.12x against 1.32x,
+    8:1 1.18x against 1.57x; 8 warps lost everywhere, by 15-75%).
 
     Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), slices wider than 64 x 128, or,
     at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2
     and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit
-    forward with a fused rotary under GQA takes 8 at 64-token blocks and D >= 128 (1.32x against 1.55x at 4:1),
-    else 4. Where the rule has no measurement (16- and 32-token blocks) it keeps 4.
+    forward with a fused rotary under GQA, one program per query head, takes 8 at 64-token blocks and D >= 128
+    (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now applies to D > 128), else 4. Where the rule has no measurement (16- and 32-token blocks) it keeps 4.
 
     With a fused rotary the kernels work on pair halves, which must be at least 16 wide for the tensor cores:
     slices are at least 32 columns and at most 64 x 128 elements, and the backward does not run persistent (1.72x
@@ -131,8 +133,9 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         max_slice = 64 * 64
     chunk = min(block_d, max(min_width, max_slice // block_size))
     wide = block_size * chunk > 64 * 128 or (backward and group > 1 and block_size == 64 and chunk >= 128)
+    heads_per_program = group if not backward and block_size == 64 and chunk >= block_d else 1
     rotary_gqa_fwd = (not backward and rotary and group > 1 and element_size == 2 and block_size == 64
-                      and block_d >= 128)
+                      and block_d >= 128 and heads_per_program == 1)
     return MappingProxyType({
         "BLOCK_D": block_d,
         "CHUNK": chunk,
@@ -140,7 +143,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
         "GROUP_STAGES": 2 if backward and group > 1 and not rotary else 1,
-        "HEADS_PER_PROGRAM": group if not backward and not rotary and chunk >= block_d else 1,
+        "HEADS_PER_PROGRAM": heads_per_program,
         "NUM_WARPS": 8 if block_size == 128 or wide or rotary_gqa_fwd else 4,
     })
 
@@ -208,16 +211,39 @@ def _pair_dot(a_even, a_odd, b_even, b_odd, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, start, head, rows, row_ok, head_dim, qk_scale_log2,
-                      out_factor, stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd, mods,
-                      BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows, row_ok, head_dim, qk_scale_log2,
+                      out_factor, stride_qn, stride_qh, stride_kn, stride_vn, stride_on, stride_oh, stride_sn,
+                      stride_sd, mods, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr,
-                      INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr):
+                      INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr, HEADS: tl.constexpr):
     """The forward of one (block, head) on pair halves, the operands named by ROTATE turned after loading (fp8
-    inputs: in fp16, ``out_factor`` their output's descale)."""
+    inputs: in fp16, ``out_factor`` their output's descale); with ``HEADS`` > 1 (one slice), of query heads
+    ``head ...`` on k and v read and turned once."""
     PAIRS: tl.constexpr = CHUNK // 2
-    elem_ty: tl.constexpr = q_base.dtype.element_ty
+    elem_ty: tl.constexpr = q_ptr.dtype.element_ty
     half = head_dim // 2
+    if HEADS > 1:
+        mask = tile_mask(row_ok, 0, half, PAIRS, EVEN_D)
+        sin, cos = load_angles(sinu_ptr, rows, 0, half, stride_sn, stride_sd, mask, PAIRS)
+        k_even, k_odd = _operand_halves(load_words(k_base, rows, 0, stride_kn, mask, PAIRS), sin, cos,
+                                        ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
+        v_even, v_odd = _operand_halves(load_words(v_base, rows, 0, stride_vn, mask, PAIRS), sin, cos,
+                                        ROTATE_V & ROTATE, elem_ty, False)
+        for g in tl.range(HEADS):
+            q_words = load_words(q_ptr + (head + g) * stride_qh, rows, 0, stride_qn, mask, PAIRS)
+            q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE_Q & ROTATE, elem_ty, INLINE_ASM)
+            scores = _pair_dot(q_even, q_odd, k_even, k_odd, tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32),
+                               DOT_PRECISION)
+            p = block_probs(scores, start, head + g, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK)
+            p = p.to(v_even.dtype)
+            o_even = _descaled(tl.dot(p, v_even, input_precision=DOT_PRECISION), out_factor, FP8,
+                               o_ptr.dtype.element_ty)
+            o_odd = _descaled(tl.dot(p, v_odd, input_precision=DOT_PRECISION), out_factor, FP8,
+                              o_ptr.dtype.element_ty)
+            store_pairs(o_ptr + (head + g) * stride_oh, rows, 0, stride_on, o_even, o_odd, mask, PAIRS, INLINE_ASM)
+        return
+    q_base = q_ptr + head * stride_qh
+    o_base = o_ptr + head * stride_oh
     scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
         mask = tile_mask(row_ok, c * PAIRS, half, PAIRS, EVEN_D)
@@ -294,8 +320,8 @@ def _block_attention_fwd_kernel(
     # FP8: q, k, v are float8_e4m3fn, widened to fp16 after loading, and descaled (ops.fp8). FP8_QK: q k^T on fp8
     # tensor cores instead (no widening; slices 32+ wide): 1.28x its floor against 1.42x widened at `ads` with GQA
     # 4:1 (H100). Hopper sums fp8 products with fewer bits than fp32, within the tested SNR bounds.
-    # HEADS_PER_PROGRAM > 1 (GQA, one slice, no rotary): a program runs the query heads of one kv head in turn, on
-    # the k and v tiles it loaded once (_fwd_group).
+    # HEADS_PER_PROGRAM > 1 (GQA, one head-dim slice): a program runs the query heads of one kv head in turn, on the
+    # k and v tiles it loaded (and turned) once (_fwd_group; with a rotary _fwd_rotary_block).
     PROGRAMS_PER_BLOCK: tl.constexpr = NUM_Q_HEADS // HEADS_PER_PROGRAM
     pid = tl.program_id(0)
     slot = pid // PROGRAMS_PER_BLOCK
@@ -322,10 +348,10 @@ def _block_attention_fwd_kernel(
             out_factor = out_factor / tl.load(out_scale_ptr)
 
     if ROTATE:
-        _fwd_rotary_block(q_base, k_base, v_base, o_base, sinu_ptr, start, head, rows, row_ok, head_dim,
-                          qk_scale_log2, out_factor, stride_qn, stride_kn, stride_vn, stride_on, stride_sn, stride_sd,
-                          mods, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE, INLINE_ASM, IN_BLOCK,
-                          FP8)
+        _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows, row_ok, head_dim,
+                          qk_scale_log2, out_factor, stride_qn, stride_qh, stride_kn, stride_vn, stride_on, stride_oh,
+                          stride_sn, stride_sd, mods, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE,
+                          INLINE_ASM, IN_BLOCK, FP8, HEADS_PER_PROGRAM)
         return
     if HEADS_PER_PROGRAM > 1:
         _fwd_group(q_ptr, k_base, v_base, o_ptr, start, head, rows, row_ok, head_dim, qk_scale_log2, out_factor,
@@ -706,7 +732,7 @@ def block_attention_fwd_triton(
     are turned by ``sinu_pos`` after loading; ``options`` the in-block options; ``fp8_scales`` those of fp8 inputs
     (``ops.fp8``). ``num_warps``, ``maxnreg`` (a register cap) and ``fp8_dot`` (fp8 q k^T on fp8 tensor cores, for
     fp8 inputs without a rotary and slices 32+ wide; refused elsewhere) and ``heads_per_program`` (1, or under
-    GQA without a rotary and with one head-dim slice the group) override the tuned launch, for tuning sweeps."""
+    GQA with one head-dim slice the group) override the tuned launch, for tuning sweeps."""
     n, hq, d = q.shape
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))
@@ -719,9 +745,9 @@ def block_attention_fwd_triton(
     fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
     if fp8_dot and not fp8_qk_possible:
         raise ValueError("fp8_dot needs fp8 inputs, no rotary and head-dim slices at least 32 wide")
-    if heads_per_program not in (None, 1) and (heads_per_program != group or rotate or cfg["NUM_CHUNKS"] > 1):
-        raise ValueError(f"heads_per_program must be 1, or the GQA group ({group}) without a rotary and with one "
-                         f"head-dim slice, got {heads_per_program}")
+    if heads_per_program not in (None, 1) and (heads_per_program != group or cfg["NUM_CHUNKS"] > 1):
+        raise ValueError(f"heads_per_program must be 1, or the GQA group ({group}) where one head-dim slice holds "
+                         f"the row, got {heads_per_program}")
     heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     launch(
