@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", action="store_true",
                        help="time every configuration instead: block size x head dim x GQA ratio x dtype x rotary "
                             "(none, fp32 angles, angles in the inputs' dtype), forward and backward replayed as CUDA "
-                            "graphs, over each one's memory floor; --block-size, --head-dim, --kv-heads and --dtype restrict an axis to one "
-                            "value; writes sweep.json and sweep.png")
+                            "graphs, over each one's memory floor; --block-size, --head-dim, --kv-heads and --dtype "
+                            "restrict an axis to one value; writes sweep.json and sweep.png")
     bench.add_argument("--baselines", nargs="*", choices=list(BASELINES), metavar="NAME", default=None,
                        help="baselines to run (default: all): " + ", ".join(f"'{b}'" for b in BASELINES))
     bench.add_argument("--rep-ms", type=at_least(1), default=300, help="time spent repeating each measurement")

@@ -105,16 +105,17 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
 
     The forward under GQA at 64-token blocks, where one slice holds the head dim, runs the group's query heads in one
     program on k and v read (and turned, with a rotary) once (``HEADS_PER_PROGRAM``, 4 warps; other block sizes,
-    not measured with it, keep a program per query head; at `ads` lengths on an H100, against
-    one program per query head: bf16 4:1 at D = 128 1.02x the floor against 1.07x, 8:1 1.03x against 1.11x, 8:1 at
-    D = 64 1.09x against 1.25x; fp8 4:1 1.18x against 1.28x; with a rotary and fp32 angles 4:1 1.12x against 1.32x,
-    8:1 1.18x against 1.57x; 8 warps lost everywhere, by 15-75%).
+    not measured with it, keep a program per query head). At `ads` lengths on an H100, against one program per
+    query head: bf16 4:1 at D = 128 1.02x the floor against 1.07x, 8:1 1.03x against 1.11x, 8:1 at D = 64 1.09x
+    against 1.25x; fp8 4:1 1.18x against 1.28x; with a rotary and fp32 angles 4:1 1.12x against 1.32x, 8:1 1.18x
+    against 1.57x; 8 warps lost everywhere, by 15-75%.
 
     Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), slices wider than 64 x 128, or,
     at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2
     and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit
     forward with a fused rotary under GQA, one program per query head, takes 8 at 64-token blocks and D >= 128
-    (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now applies to D > 128), else 4. Where the rule has no measurement (16- and 32-token blocks) it keeps 4.
+    (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now applies to D > 128), else 4.
+    Where the rule has no measurement (16- and 32-token blocks) it keeps 4.
 
     With a fused rotary the kernels work on pair halves, which must be at least 16 wide for the tensor cores:
     slices are at least 32 columns and at most 64 x 128 elements, and the backward does not run persistent (1.72x
