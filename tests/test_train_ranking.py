@@ -76,11 +76,15 @@ def test_shards_are_parts_of_one_global_batch(seeded):
 
 
 def test_training_loss_falls(seeded):
-    """A short CPU run learns: held-out loss clearly below the base rate's entropy, AUC well above 0.5."""
+    """A short CPU run learns: held-out loss well below the base rate's entropy (a good share of what the true
+    probabilities gain over it on the same held-out batches), AUC well above 0.5."""
     summary = run(*LEARNABLE, "--device", "cpu", "--steps", 40, "--seed", seeded % 1000)
-    # Over seeds 0..11: loss 0.15..0.31 below the entropy, AUC 0.81..0.92 (the true probabilities': ~0.9).
-    assert summary["eval_loss"] < summary["eval_base_entropy"] - 0.1, summary
-    assert summary["eval_auc"] > 0.75, summary
+    # Over 220 seeds (every fifth of 0..999, and 740..759) the loss gained at least 0.53 of the true probabilities'
+    # gain over the entropy and AUC 0.80, but for seed 747: 0.45 and 0.78, whose held-out batches are hard (the
+    # true probabilities gain only 0.19 over the entropy there).
+    oracle_gain = summary["eval_base_entropy"] - summary["eval_oracle_loss"]
+    assert summary["eval_base_entropy"] - summary["eval_loss"] > 0.3 * oracle_gain > 0, summary
+    assert summary["eval_auc"] > 0.7, summary
     assert summary["tokens_per_s"] > 0 and len(summary["losses"]) == 40
 
 
