@@ -10,11 +10,9 @@ from blockattn.ops import launch
 
 
 @pytest.fixture
-def key(monkeypatch):
-    """The key ``launch`` computes for one argument (its inline tensor and int branches, and ``_key_of`` for the
-    rest), on any machine: the current device is read first, so it is fixed to 0 here."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    return lambda value, constexpr=False: launch._key([value], (constexpr,), ())
+def key():
+    """The key of one argument, by the function ``launch`` generates for an argument of its kind."""
+    return lambda value, constexpr=False: launch._key_function((value,), (constexpr,))((value,))
 
 
 @pytest.mark.parametrize(("a", "b"), [
@@ -36,10 +34,22 @@ def test_keys_of_the_same_specialisation_are_equal(key):
     assert key(x) != key(x[1:])
     assert key(x) != key(x.bfloat16())
     assert key(64, constexpr=True) != key(128, constexpr=True)  # constexprs by value
-    # A tensor subclass (a learnable bias) takes the general branch: the same properties tell its keys apart.
+    # A learnable bias (a Parameter) is a tensor to Triton: the same properties tell its keys apart.
     param = torch.nn.Parameter(x.float())
     assert key(param) != key(torch.nn.Parameter(x.float()[1:]))
     assert key(param) != key(torch.nn.Parameter(x))
+    assert key(param) == key(x.float())
+
+
+@pytest.mark.parametrize(("made_for", "other"), [
+    (1, True), (1, 1.0), (1, torch.zeros(1)), (1, None),
+    (torch.zeros(1), 1), (torch.zeros(1), None),
+])
+def test_a_key_function_raises_for_an_argument_of_another_kind(made_for, other):
+    """A launcher that passes another kind of argument than the first launch did goes through Triton instead of
+    getting a key that could not tell that argument's specialisations apart."""
+    with pytest.raises(launch._Uncached):
+        launch._key_function((made_for,), (False,))((other,))
 
 
 def test_unknown_argument_types_are_not_cached(key):
@@ -82,3 +92,48 @@ def test_a_missing_argument_falls_back_to_triton():
     y = torch.zeros_like(x)
     with pytest.raises(TypeError):
         launch.launch(_scaled_copy, (2,), x_ptr=x, y_ptr=y, n=256, stride=1, BLOCK=128)  # no factor: Triton says so
+
+
+@requires_gpu
+def test_a_thread_without_a_current_context_launches_a_kernel_with_descriptors():
+    """A kernel with host-built tensor descriptors, compiled on this thread, launched again on a new thread (as the
+    autograd engine's worker thread does in the backward): that thread has no current CUDA context yet."""
+    import threading
+
+    from blockattn import custom_ops
+    from blockattn.block_table import build_block_table
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward (host tensor descriptors) runs on compute capability 9.x")
+    n = 200
+    q, k, v, do = (torch.randn(n, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    offsets = torch.tensor([0, 70, n], device="cuda")
+    table = build_block_table(offsets, n, 64)
+    args = (do, q, k, v, offsets, None, *table, 64, 128**-0.5, 0)
+    want = custom_ops._block_attention_bwd(*args)
+    results = []
+    thread = threading.Thread(target=lambda: results.append(custom_ops._block_attention_bwd(*args)))
+    thread.start()
+    thread.join()
+    assert results, "the launch on the new thread raised"
+    for got, expected in zip(results[0][:3], want[:3]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_descriptor_keys_tell_apart_their_settings_and_alignment(key):
+    descriptor_type = launch.TensorDescriptor
+    if descriptor_type == ():
+        pytest.skip("this triton has no Gluon Hopper descriptors")
+    from triton.experimental.gluon import language as gl
+
+    x = torch.zeros(256, 64, dtype=torch.float16)
+
+    def descriptor(t, rows=64):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, 64], gl.float16)
+        return descriptor_type(t, list(t.shape), list(t.stride()), [rows, 64], layout)
+
+    assert key(descriptor(x)) == key(descriptor(x[64:]))  # another tile of the same kind
+    assert key(descriptor(x)) != key(descriptor(x, rows=32))  # block shape
+    assert key(descriptor(x)) != key(descriptor(x.view(-1)[8:8 + 255 * 64].view(255, 64)))  # 16-byte alignment
+    with pytest.raises(launch._Uncached):
+        launch._key_function((descriptor(x),), (False,))((x,))

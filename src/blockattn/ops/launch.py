@@ -3,16 +3,23 @@
 ``kernel[grid](**kwargs)`` costs 40–75 µs of host time per launch for our kernels of ~50 arguments (an H100's
 shared host, triton 3.6, docs/benchmarks.md): Triton binds every argument, derives its specialisation (dtype and
 16-byte alignment of pointers; 16-divisibility, value 1 and width of integers), builds a cache key from them and
-checks the kernel's globals, before the launch itself (12–19 µs). :func:`launch` derives a key that determines that
-specialisation from the arguments directly (the same properties, never fewer) and launches the compiled kernel
-of a key it has seen; an unseen key goes through ``kernel[grid]`` once, which compiles or finds the kernel.
+checks the kernel's globals, before the launch itself. :func:`launch` derives a key that determines that
+specialisation from the arguments directly (the same properties, never fewer) and launches the compiled kernel of a
+key it has seen; an unseen key goes through ``kernel[grid]`` once, which compiles or finds the kernel.
+
+The key is computed by a function generated once per kernel (as Triton generates its binder), one expression per
+parameter for the kind of argument the launchers pass there (a tensor, an int, a constexpr...): no loop and no
+call per argument on the hot path. An argument of another kind than the one the function was made for makes it
+raise, and that launch goes through Triton.
 
 Off the GPU (Triton's interpreter) and for argument types it does not know, it is ``kernel[grid](**kwargs)``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import operator
 import threading
 
 import torch
@@ -26,15 +33,15 @@ except ImportError:  # a triton without Gluon's Hopper API: no kernel takes desc
 
 _INT32 = range(-(2**31), 2**31)
 _LOCK = threading.Lock()
-# kernel -> {key: compiled kernel}: a handful of keys per kernel (one per specialisation actually launched).
-_COMPILED: dict[JITFunction, dict[tuple, object]] = {}
-# kernel -> (parameter names in the kernel's order, the same as a set, which are constexprs).
-_PARAMS: dict[JITFunction, tuple[tuple[str, ...], frozenset[str], tuple[bool, ...]]] = {}
 _DESCRIPTOR_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 class _Uncached(Exception):
     """An argument whose specialisation :func:`_key_of` cannot tell: launch through Triton."""
+
+
+def _uncached(value):
+    raise _Uncached(type(value).__name__)
 
 
 def _key_of(value, constexpr: bool):
@@ -50,41 +57,69 @@ def _key_of(value, constexpr: bool):
     if isinstance(value, float):
         return float
     if isinstance(value, TensorDescriptor):
-        return (TensorDescriptor, value.base.dtype, value.base.data_ptr() % 16 == 0, _settings(value),
-                tuple(s % 16 == 0 for s in value.strides), tuple(s % 16 == 0 for s in value.shape))
-    raise _Uncached(type(value).__name__)
+        return _descriptor_key(value)
+    _uncached(value)
 
 
-def _settings(descriptor) -> tuple:
-    """Every field of a descriptor but its tensor and sizes (block shape, layout, padding... as this triton has
-    them), hashable."""
+def _descriptor_key(descriptor) -> tuple:
+    """A host tensor descriptor: its tensor's dtype and alignment, the 16-divisibility of its strides and sizes, and
+    every other field (block shape, layout, padding... as this triton has them; lists as tuples, to hash)."""
     names = _DESCRIPTOR_FIELDS.get(type(descriptor))
     if names is None:
         names = _DESCRIPTOR_FIELDS[type(descriptor)] = tuple(
             f.name for f in dataclasses.fields(descriptor) if f.name not in ("base", "shape", "strides"))
-    settings = tuple(getattr(descriptor, name) for name in names)
-    try:
-        hash(settings)
-    except TypeError:
-        return tuple(map(repr, settings))
-    return settings
+    base = descriptor.base
+    return (TensorDescriptor, base.dtype, base.data_ptr() & 15 == 0,
+            *[tuple(v) if type(v) is list else v for v in map(descriptor.__getattribute__, names)],
+            *[s & 15 == 0 for s in descriptor.strides], *[s & 15 == 0 for s in descriptor.shape])
 
 
-def _key(values: list, constexprs: tuple[bool, ...], options: tuple):
-    """:func:`_key_of` of every argument, with the two common types (tensors and ints) inline: this runs at every
-    launch, and a function call per argument would cost as much as Triton's own binding."""
-    key = [torch.cuda.current_device(), options]
-    for value, constexpr in zip(values, constexprs):
-        kind = type(value)
-        if constexpr:
-            key.append(value)
-        elif kind is torch.Tensor:
-            key.append((value.dtype, value.data_ptr() & 15 == 0))
-        elif kind is int:
-            key.append((value == 1, value & 15 == 0, -2147483648 <= value < 2147483648, value < 2**63))
-        else:
-            key.append(_key_of(value, False))
-    return tuple(key)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _expression(i: int, value, constexpr: bool) -> str:
+    """The key's part for parameter ``i`` (``a[i]``), for arguments of ``value``'s kind; it raises for another kind.
+    Tensors: dtype and 16-byte alignment; ints: the properties Triton specialises on; constexprs: the value;
+    anything else: :func:`_key_of`."""
+    a = f"a[{i}]"
+    if constexpr:
+        return a
+    if type(value) in _TENSORS:
+        return f"({a}.dtype, {a}.data_ptr() & 15 == 0) if {a}.__class__ in _TENSORS else _uncached({a})"
+    if type(value) is int:
+        return (f"({a} == 1, {a} & 15 == 0, -2147483648 <= {a} < 2147483648, {a} < 2**63) "
+                f"if {a}.__class__ is int else _uncached({a})")
+    if isinstance(value, TensorDescriptor):
+        return f"_descriptor_key({a}) if isinstance({a}, TensorDescriptor) else _uncached({a})"
+    return f"_key_of({a}, False)"
+
+
+def _key_function(values: tuple, constexprs: tuple[bool, ...], name: str = "kernel"):
+    """``key(a)`` of an argument tuple ``a`` whose arguments have the kinds of ``values``: a flat tuple. ``name``
+    (the kernel's) labels it in profiles."""
+    parts = ", ".join(_expression(i, value, c) for i, (value, c) in enumerate(zip(values, constexprs)))
+    scope = {"_TENSORS": _TENSORS, "_uncached": _uncached, "_key_of": _key_of, "_descriptor_key": _descriptor_key,
+             "TensorDescriptor": TensorDescriptor}
+    # Generated from parameter positions only, no outside text.
+    exec(compile(f"def key(a):\n    return ({parts},)\n", f"<launch key of {name}>", "exec"), scope)  # noqa: S102
+    return scope["key"]
+
+
+class _Kernel:
+    """What :func:`launch` keeps per kernel: how to read its arguments out of the keyword arguments, the key
+    function, whether it takes host-built tensor descriptors, and the compiled kernel of every key seen."""
+
+    def __init__(self, kernel: JITFunction, kwargs: dict):
+        names = tuple(kernel.arg_names)
+        self.names = frozenset(names)
+        self.arguments = operator.itemgetter(*names)
+        values = self.arguments(kwargs)
+        self.key = _key_function(values, tuple(p.is_constexpr for p in kernel.params), kernel.__name__)
+        self.descriptors = any(isinstance(value, TensorDescriptor) for value in values)
+        self.compiled: dict[tuple, object] = {}
+
+
+_KERNELS: dict[JITFunction, _Kernel] = {}
 
 
 def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
@@ -93,27 +128,71 @@ def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
     if not isinstance(kernel, JITFunction):  # the interpreter
         kernel[grid](**kwargs)
         return
-    params = _PARAMS.get(kernel)
-    if params is None:
-        params = _PARAMS[kernel] = (tuple(kernel.arg_names), frozenset(kernel.arg_names),
-                                    tuple(p.is_constexpr for p in kernel.params))
-    names, name_set, constexprs = params
+    device = torch.cuda.current_device()
+    entry = _KERNELS.get(kernel)
     try:
-        values = [kwargs[name] for name in names]
-        key = _key(values, constexprs, tuple(sorted((name, kwargs[name]) for name in kwargs.keys() - name_set)))
-    except (_Uncached, KeyError):
-        kernel[grid](**kwargs)
+        if entry is None:
+            entry = _KERNELS[kernel] = _Kernel(kernel, kwargs)
+        values = entry.arguments(kwargs)
+        options = kwargs.keys() - entry.names
+        key = (device, *sorted((name, kwargs[name]) for name in options), *entry.key(values))
+        compiled = entry.compiled.get(key)  # (hashing the key: an unhashable constexpr raises TypeError)
+    except (_Uncached, KeyError, AttributeError, TypeError):
+        _through_triton(kernel, grid, kwargs, device)  # Triton binds the arguments, or says what is wrong with them
         return
-    compiled = _COMPILED.get(kernel, {}).get(key)
     if compiled is None:
-        compiled = kernel[grid](**kwargs)
+        compiled = _through_triton(kernel, grid, kwargs, device)
         with _LOCK:
-            _COMPILED.setdefault(kernel, {})[key] = compiled
+            entry.compiled[key] = compiled
         return
+    if entry.descriptors:
+        ensure_context(device)
     compiled[(*grid, 1, 1)[:3]](*values)
+
+
+def _through_triton(kernel: JITFunction, grid: tuple[int, ...], kwargs: dict, device: int):
+    """``kernel[grid](**kwargs)`` (which compiles, or finds, the kernel and returns it)."""
+    if any(isinstance(value, TensorDescriptor) for value in kwargs.values()):
+        ensure_context(device)
+    return kernel[grid](**kwargs)
 
 
 def cached_keys(kernel) -> int:
     """How many argument keys of ``kernel`` :func:`launch` holds a compiled kernel for (for tests)."""
-    return len(_COMPILED.get(kernel, {}))
+    entry = _KERNELS.get(kernel)
+    return 0 if entry is None else len(entry.compiled)
 
+
+_THREAD = threading.local()
+
+
+def ensure_context(device_index: int) -> None:
+    """Make the device's primary CUDA context current on this thread, once per thread and device.
+
+    Triton builds host tensor descriptors (``cuTensorMapEncodeTiled``) before its launcher makes a context current,
+    and PyTorch's autograd worker thread may have none yet: the first backward there that launches a kernel already
+    compiled (and loaded) on another thread then fails with "invalid device context" (pytorch#124565). Driver calls
+    only, so this is safe during CUDA-graph capture.
+    """
+    if getattr(_THREAD, "device", None) == device_index:
+        return
+    driver = _libcuda()
+    current = ctypes.c_void_p()
+    _checked(driver.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+    if not current.value:
+        device = ctypes.c_int()
+        _checked(driver.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+        _checked(driver.cuDevicePrimaryCtxRetain(ctypes.byref(current), device), "cuDevicePrimaryCtxRetain")
+        _checked(driver.cuCtxSetCurrent(current), "cuCtxSetCurrent")
+    _THREAD.device = device_index
+
+
+def _libcuda():
+    if not hasattr(_libcuda, "driver"):
+        _libcuda.driver = ctypes.CDLL("libcuda.so.1")
+    return _libcuda.driver
+
+
+def _checked(result: int, call: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{call} failed with CUDA driver error {result}")
