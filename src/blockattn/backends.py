@@ -20,6 +20,7 @@ directly: they never change which backend runs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,12 +71,16 @@ class AttentionCall:
 def rows_of_heads(t: torch.Tensor) -> bool:
     """``[N, H, D]`` addressable as one ``[N, H * D]`` matrix: heads side by side in a row."""
     _, h, d = t.shape
-    return t.stride(2) == 1 and (h == 1 or t.stride(1) == d)
+    _, stride_h, stride_d = t.stride()
+    return stride_d == 1 and (h == 1 or stride_h == d)
 
 
 def tma_readable(t: torch.Tensor) -> bool:
     """:func:`rows_of_heads`, and rows and start 16-byte aligned, as TMA needs."""
-    return rows_of_heads(t) and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+    _, h, d = t.shape
+    stride_n, stride_h, stride_d = t.stride()
+    return (stride_d == 1 and (h == 1 or stride_h == d) and stride_n * t.element_size() % 16 == 0
+            and t.data_ptr() % 16 == 0)
 
 
 def _triton_why_not(call: AttentionCall) -> str | None:
@@ -117,7 +122,7 @@ class Backend:
     forward: Callable | None = None
     backward: Callable | None = None
 
-    @property
+    @functools.cached_property  # read at every call (select): computed once
     def passes(self) -> tuple[str, ...]:
         return tuple(p for p, fn in zip(PASSES, (self.forward, self.backward)) if fn is not None)
 

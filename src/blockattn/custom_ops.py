@@ -75,19 +75,20 @@ def _rotate_mask(sinu_pos, rotate: int) -> int:
 
 
 def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InBlock, block_cum, block_seq,
-             fp8_scales: Fp8Scales | None = None):
-    """``(out, *table)``: the block table (built here unless a layout's is given: then two 0-element tensors stand
-    for it, since an op's output may not be its input), then the forward by the backend the dispatcher picks."""
+             fp8_scales: Fp8Scales | None = None) -> tuple[torch.Tensor, BlockTable | None]:
+    """``(out, table)``: the block table is built here unless a layout's is given (then ``table`` is None), then the
+    forward runs by the backend the dispatcher picks."""
     rotate = _rotate_mask(sinu_pos, rotate)
     backend = backends.select(AttentionCall.of("fwd", q, k, block_size, rotate, options.bits))
-    if block_cum is None:
-        table = build_block_table(offsets, q.shape[0], block_size)
-        returned = table
-    else:
-        table = BlockTable(block_cum, block_seq)
-        returned = _no_table(offsets)
-    return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options,
-                           fp8_scales), *returned
+    built = build_block_table(offsets, q.shape[0], block_size) if block_cum is None else None
+    table = BlockTable(block_cum, block_seq) if built is None else built
+    return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, fp8_scales), built
+
+
+def _op_outputs(out: torch.Tensor, built: BlockTable | None, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A forward op's outputs ``(out, *table)``: where a layout's table was passed in, two 0-element tensors stand
+    for the table (an op's outputs can be neither None nor its inputs). The eager route keeps ``(out, built)``."""
+    return out, *(_no_table(offsets) if built is None else built)
 
 
 def _no_table(offsets: torch.Tensor) -> BlockTable:
@@ -98,19 +99,24 @@ def _fwd_table_fakes(offsets, num_tokens, block_size, block_cum) -> BlockTable:
     return empty_block_table(offsets, num_tokens, block_size) if block_cum is None else _no_table(offsets)
 
 
-def _saved_table(inputs_table: tuple, output_table: tuple) -> tuple:
+def _saved_table(inputs_table: tuple, output_table: tuple | None) -> tuple:
     """The table the backward reads: the layout's (inputs) where one was given, else the one the forward built."""
     return inputs_table if inputs_table[0] is not None else output_table
 
 
 def _backward(grad_out, q, k, v, offsets, sinu_pos, table, block_size, scale, rotate, options: InBlock, grads):
-    """Write ``(dq, dk, dv)`` into ``grads`` by the backend the dispatcher picks; return the biases' gradients as
-    the ops do (0-element tensors for absent biases)."""
+    """Write ``(dq, dk, dv)`` into ``grads`` by the backend the dispatcher picks; return the biases' gradients (None
+    for absent biases)."""
     rotate = _rotate_mask(sinu_pos, rotate)
     call = AttentionCall.of("bwd", q, k, block_size, rotate, options.bits, tensors=(q, k, v, grad_out), grads=grads)
-    bias_grads = backends.select(call).backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos,
-                                                rotate, options, grads)
-    return tuple(q.new_empty(0) if g is None else g for g in bias_grads)
+    return backends.select(call).backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate,
+                                          options, grads)
+
+
+def _op_grads(grads: tuple, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A backward op's outputs: 0-element tensors for the absent biases' gradients (an op's output cannot be
+    None). The eager route keeps the Nones."""
+    return tuple(like.new_empty(0) if g is None else g for g in grads)
 
 
 def _bias_grad_fakes(q, pos_bias, time_bias) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,8 +146,9 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save,
                        input_grads) -> type[torch.autograd.Function]:
     """Autograd of a forward op whose outputs are ``(out, *block_table)``, and the same as a
     ``torch.autograd.Function`` on the ops' implementations (the eager route, :func:`eager_route`), which it
-    returns. ``save(ctx, inputs, table)`` keeps what ``input_grads(ctx, grad_out, backward)`` needs to call
-    ``backward`` (the backward op, or its implementation)."""
+    returns: ``fwd_impl`` returns ``(out, table)`` (the table it built, or None), ``bwd_impl`` the backward op's
+    outputs with None for absent biases' gradients. ``save(ctx, inputs, table)`` keeps what
+    ``input_grads(ctx, grad_out, backward)`` needs to call ``backward`` (the backward op, or its implementation)."""
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(*output[1:])
         save(ctx, inputs, output[1:])
@@ -150,13 +157,24 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save,
                              setup_context=setup_context)
 
     def forward(ctx, *inputs):
-        out, *table = fwd_impl(*inputs)
+        out, table = fwd_impl(*inputs)
         save(ctx, inputs, table)
         return out
 
     return type(name, (torch.autograd.Function,),
                 {"forward": staticmethod(forward),
                  "backward": staticmethod(lambda ctx, grad_out: input_grads(ctx, grad_out, bwd_impl))})
+
+
+def _block_attention_forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_bias=None,
+                             timestamps=None, time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0,
+                             dropout_seed=None, block_cum=None, block_seq=None, q_descale=None, k_descale=None,
+                             v_descale=None, out_scale=None, out_dtype=None) -> tuple[torch.Tensor, BlockTable | None]:
+    """``(out, table)`` (:func:`_forward`) of the forward op's arguments: what the op and the eager route run."""
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    scales = None if q_descale is None else Fp8Scales(q_descale, k_descale, v_descale,
+                                                      out_dtype or fp8.DEFAULT_OUT_DTYPE, out_scale)
+    return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options, block_cum, block_seq, scales)
 
 
 def _block_attention_fwd(
@@ -171,10 +189,10 @@ def _block_attention_fwd(
     """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``block_table.BlockTable``) it
     built, or 0-element tensors where a layout's table was passed in (``block_cum``, ``block_seq``). float8 inputs
     come with their descales and the output's dtype (and scale, for an fp8 output): ``ops.fp8``."""
-    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
-    scales = None if q_descale is None else Fp8Scales(q_descale, k_descale, v_descale,
-                                                      out_dtype or fp8.DEFAULT_OUT_DTYPE, out_scale)
-    return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options, block_cum, block_seq, scales)
+    return _op_outputs(*_block_attention_forward(
+        q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias,
+        time_bucket_width, dropout_p, dropout_seed, block_cum, block_seq, q_descale, k_descale, v_descale, out_scale,
+        out_dtype), offsets)
 
 
 block_attention_fwd = torch.library.custom_op("blockattn::block_attention_fwd", _block_attention_fwd, mutates_args=())
@@ -189,6 +207,17 @@ def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_b
             *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum))
 
 
+def _block_attention_backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate,
+                              causal=False, pos_bias=None, timestamps=None, time_bias=None,
+                              time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None) -> tuple:
+    """``(dq, dk, dv, dpos_bias, dtime_bias)``, None for an absent bias's: what the op and the eager route run."""
+    grads = (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    bias_grads = _backward(grad_out, q, k, v, offsets, sinu_pos, BlockTable(block_cum, block_seq), block_size, scale,
+                           rotate, options, grads)
+    return *grads, *bias_grads
+
+
 def _block_attention_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
     sinu_pos: torch.Tensor | None, block_cum: torch.Tensor, block_seq: torch.Tensor, block_size: int, scale: float,
@@ -197,11 +226,9 @@ def _block_attention_bwd(
     dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dpos_bias, dtime_bias)``."""
-    grads = (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
-    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
-    bias_grads = _backward(grad_out, q, k, v, offsets, sinu_pos, BlockTable(block_cum, block_seq), block_size, scale,
-                           rotate, options, grads)
-    return *grads, *bias_grads
+    return _op_grads(_block_attention_backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size,
+                                               scale, rotate, causal, pos_bias, timestamps, time_bias,
+                                               time_bucket_width, dropout_p, dropout_seed), q)
 
 
 block_attention_bwd = torch.library.custom_op("blockattn::block_attention_bwd", _block_attention_bwd, mutates_args=())
@@ -236,8 +263,18 @@ def _input_grads(ctx, grad_out, backward) -> tuple:
 
 
 _EagerBlockAttention = _register_autograd("EagerBlockAttention", block_attention_fwd, block_attention_bwd,
-                                          _block_attention_fwd, _block_attention_bwd, _save_for_backward,
+                                          _block_attention_forward, _block_attention_backward, _save_for_backward,
                                           _input_grads)
+
+
+def _qkv_block_attention_forward(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate,
+                                 causal=False, pos_bias=None, timestamps=None, time_bias=None,
+                                 time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None,
+                                 block_cum=None, block_seq=None) -> tuple[torch.Tensor, BlockTable | None]:
+    """``(out, table)`` (:func:`_forward`) of the packed forward op's arguments."""
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    return _forward(*split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_size, scale, rotate, options,
+                    block_cum, block_seq)
 
 
 def _qkv_block_attention_fwd(
@@ -248,9 +285,9 @@ def _qkv_block_attention_fwd(
     block_cum: torch.Tensor | None = None, block_seq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block attention on the heads of a packed projection, read in place through strides."""
-    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
-    return _forward(*split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_size, scale, rotate, options,
-                    block_cum, block_seq)
+    return _op_outputs(*_qkv_block_attention_forward(
+        qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal, pos_bias, timestamps,
+        time_bias, time_bucket_width, dropout_p, dropout_seed, block_cum, block_seq), offsets)
 
 
 qkv_block_attention_fwd = torch.library.custom_op("blockattn::qkv_block_attention_fwd", _qkv_block_attention_fwd,
@@ -266,6 +303,20 @@ def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate
     return qkv.new_empty(n, num_heads, head_dim), *_fwd_table_fakes(offsets, n, block_size, block_cum)
 
 
+def _qkv_block_attention_backward(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads,
+                                  block_size, scale, rotate, causal=False, pos_bias=None, timestamps=None,
+                                  time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0,
+                                  dropout_seed=None) -> tuple:
+    """``(dqkv, dpos_bias, dtime_bias)``, None for an absent bias's; ``dqkv`` in the packed layout of ``qkv``: the
+    kernel writes dq, dk, dv straight into views of one buffer."""
+    dqkv = tiles.new_output(qkv)
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    bias_grads = _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
+                           BlockTable(block_cum, block_seq), block_size, scale, rotate, options,
+                           split_heads(dqkv, num_heads, num_kv_heads))
+    return dqkv, *bias_grads
+
+
 def _qkv_block_attention_bwd(
     grad_out: torch.Tensor, qkv: torch.Tensor, offsets: torch.Tensor, sinu_pos: torch.Tensor | None,
     block_cum: torch.Tensor, block_seq: torch.Tensor, num_heads: int, num_kv_heads: int, block_size: int,
@@ -273,14 +324,11 @@ def _qkv_block_attention_bwd(
     timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dqkv, dpos_bias, dtime_bias)``, ``dqkv`` in the packed layout of ``qkv``: the kernel writes dq, dk, dv
-    straight into views of one buffer."""
-    dqkv = tiles.new_output(qkv)
-    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
-    bias_grads = _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
-                           BlockTable(block_cum, block_seq), block_size, scale, rotate, options,
-                           split_heads(dqkv, num_heads, num_kv_heads))
-    return dqkv, *bias_grads
+    """``(dqkv, dpos_bias, dtime_bias)``."""
+    return _op_grads(_qkv_block_attention_backward(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads,
+                                                   num_kv_heads, block_size, scale, rotate, causal, pos_bias,
+                                                   timestamps, time_bias, time_bucket_width, dropout_p,
+                                                   dropout_seed), qkv)
 
 
 qkv_block_attention_bwd = torch.library.custom_op("blockattn::qkv_block_attention_bwd", _qkv_block_attention_bwd,
@@ -312,8 +360,9 @@ def _qkv_input_grads(ctx, grad_out, backward) -> tuple:
 
 
 _EagerQkvBlockAttention = _register_autograd("EagerQkvBlockAttention", qkv_block_attention_fwd,
-                                             qkv_block_attention_bwd, _qkv_block_attention_fwd,
-                                             _qkv_block_attention_bwd, _qkv_save_for_backward, _qkv_input_grads)
+                                             qkv_block_attention_bwd, _qkv_block_attention_forward,
+                                             _qkv_block_attention_backward, _qkv_save_for_backward,
+                                             _qkv_input_grads)
 
 
 def eager_route(*tensors: torch.Tensor) -> bool:
@@ -344,12 +393,12 @@ def _attention(op, eager: type[torch.autograd.Function], forward, inputs: tuple)
 
 def block_attention(*inputs) -> torch.Tensor:
     """``block_attention_fwd(*inputs)``'s output with autograd: by the eager route where it may run."""
-    return _attention(block_attention_fwd, _EagerBlockAttention, _block_attention_fwd, inputs)
+    return _attention(block_attention_fwd, _EagerBlockAttention, _block_attention_forward, inputs)
 
 
 def qkv_block_attention(*inputs) -> torch.Tensor:
     """``qkv_block_attention_fwd(*inputs)``'s output with autograd: by the eager route where it may run."""
-    return _attention(qkv_block_attention_fwd, _EagerQkvBlockAttention, _qkv_block_attention_fwd, inputs)
+    return _attention(qkv_block_attention_fwd, _EagerQkvBlockAttention, _qkv_block_attention_forward, inputs)
 
 
 def in_block_pairs(offsets: torch.Tensor, num_tokens: int, block_size: int, causal: bool = False) -> int:

@@ -132,8 +132,13 @@ def dropout_keep(seed: int | torch.Tensor, starts: torch.Tensor, num_heads: int,
     return word >= InBlock(dropout_p=dropout_p).keep_threshold()
 
 
+_POINTERS = ("pos_bias_ptr", "timestamps_ptr", "time_bias_ptr", "edges_ptr", "seed_ptr")
+
+
 def kernel_args(options: InBlock, like: torch.Tensor) -> dict:
     """The kernels' in-block arguments; absent tensors are stood in for by ``like`` (never read)."""
+    if options.bits == 0:  # the plain op: constant scalars (built once, as every call reads them)
+        return {**_PLAIN_SCALARS, **dict.fromkeys(_POINTERS, like)}
     pos, times, bias = options.pos_bias, options.timestamps, options.time_bias
     num_buckets = bias.shape[1] if bias is not None else 1
     edges = bucket_edges(num_buckets, options.bucket_width, like.device) if bias is not None else like
@@ -154,6 +159,12 @@ def kernel_args(options: InBlock, like: torch.Tensor) -> dict:
         "keep_scale": 1.0 / (1.0 - options.dropout_p),
         "IN_BLOCK": options.bits,
     }
+
+
+# The general branch's scalars for the plain op's values (a causal mask alone passes the same ones, and takes
+# that branch), with the plain op's mask.
+_PLAIN_SCALARS = {name: value for name, value in kernel_args(InBlock(causal=True), torch.empty(0)).items()
+                  if name not in _POINTERS} | {"IN_BLOCK": 0}
 
 
 def bias_grad_partials(options: InBlock, num_slots: int, block_size: int,
