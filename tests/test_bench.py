@@ -690,12 +690,18 @@ def test_small_gpu_latency_run(tmp_path):
     keys = {(r["batch"], r["impl"], r["mode"], r["pass"]) for r in rows}
     ours = set(itertools.product(("1 x 100", "3 x 130"), [latency.OURS], latency.MODES, latency.PASSES))
     fa2 = set(itertools.product(("1 x 100", "3 x 130"), [latency.FA2], ("eager", "graph"), latency.PASSES))
-    assert keys == ours | fa2
+    fa2_autograd = set(itertools.product(("1 x 100", "3 x 130"), [latency.FA2_AUTOGRAD], ("eager",), latency.PASSES))
+    assert keys == ours | fa2 | fa2_autograd
     by_key = {(r["batch"], r["impl"], r["mode"], r["pass"]): r for r in rows}
     for r in rows:
         assert r["us"] > 0
         fa2_mode = "graph" if r["mode"] == "graph" else "eager"
         assert r["x_fa2"] == pytest.approx(r["us"] / by_key[(r["batch"], latency.FA2, fa2_mode, r["pass"])]["us"])
+        if fa2_mode == "eager":
+            fa2_autograd_us = by_key[(r["batch"], latency.FA2_AUTOGRAD, "eager", r["pass"])]["us"]
+            assert r["x_fa2_autograd"] == pytest.approx(r["us"] / fa2_autograd_us)
+        else:
+            assert "x_fa2_autograd" not in r
     assert json.loads(latency.write_file(report, tmp_path).read_text())["results"] == rows
 
 
