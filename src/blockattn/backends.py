@@ -77,10 +77,7 @@ def rows_of_heads(t: torch.Tensor) -> bool:
 
 def tma_readable(t: torch.Tensor) -> bool:
     """:func:`rows_of_heads`, and rows and start 16-byte aligned, as TMA needs."""
-    _, h, d = t.shape
-    stride_n, stride_h, stride_d = t.stride()
-    return (stride_d == 1 and (h == 1 or stride_h == d) and stride_n * t.element_size() % 16 == 0
-            and t.data_ptr() % 16 == 0)
+    return rows_of_heads(t) and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def _triton_why_not(call: AttentionCall) -> str | None:
