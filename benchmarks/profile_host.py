@@ -1,8 +1,8 @@
 """Where the host time of one small eager call goes: the calls of ``bench --latency`` on one batch, the pieces
 they are made of (a torch op, an allocation, the block table, an empty autograd round trip), and optionally a
-cProfile of two of them.
+cProfile of two of them, and the block table's time on the presets' batches.
 
-    python benchmarks/profile_host.py [--batch 1 500] [--profile]
+    python benchmarks/profile_host.py [--batch 1 500] [--profile] [--tables]
 
 To compare two versions of the code on one machine, run it on each checkout in turn, several times: a shared host's
 figures move by tens of percent between runs minutes apart. Each figure is the median (and the minimum) over 9
@@ -19,8 +19,10 @@ import statistics
 import time
 
 import torch
+import triton
 
 import blockattn
+from blockattn.bench.presets import PRESETS
 from blockattn.block_table import build_block_table
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 4, 128, 64
@@ -85,6 +87,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs=2, default=(1, 500), metavar=("SEQUENCES", "LENGTH"))
     parser.add_argument("--profile", action="store_true", help="cProfile the eager forward and fwd+bwd")
+    parser.add_argument("--tables", action="store_true",
+                        help="the block table's time on the ads, short and long presets' batches (triton's do_bench: "
+                             "CUDA events around back-to-back calls, median)")
     args = parser.parse_args()
     fns = calls(*args.batch)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.batch[0]} x {args.batch[1]} tokens, "
@@ -103,6 +108,13 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
             print(name, text.getvalue())
+    if args.tables:
+        for name in ("ads", "short", "long"):
+            offsets = PRESETS[name].offsets(0, "cuda")
+            n = int(offsets[-1])
+            ms = triton.testing.do_bench(lambda offsets=offsets, n=n: build_block_table(offsets, n, BLOCK_SIZE),
+                                         warmup=50, rep=300, return_mode="median")
+            print(f"block table, {name} ({offsets.numel() - 1} sequences, {n} tokens): {ms * 1000:.1f} µs")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockattn
-from blockattn.block_table import build_block_table, scan_blocks
+from blockattn.block_table import build_block_table, kernel_table, max_blocks
 from blockattn.ops import block_attention as triton_ops
 from blockattn.ops.in_block import PLAIN
 from blockattn.ops.tiles import ROTATE_ALL
@@ -35,23 +35,32 @@ def run_torch_path(q, k, v, do, offsets, block_size):
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize(
     "lengths,valid",
-    [([0, 1, 15, 16, 17, 100, 0], True), ([], True), ([0] * 3000, True), ([5, -2, 9], False), ([7] * 2500, True)],
-    ids=["odd", "none", "many-empty", "negative", "many"],
+    [([0, 1, 15, 16, 17, 100, 0], True), ([], True), ([0] * 3000, True), ([5, -2, 9], False), ([7] * 2500, True),
+     ([0, 64, 1, 200] * 40, True), ([30, 500, -400, 70] * 20, False)],
+    ids=["odd", "none", "many-empty", "negative", "many", "programs", "programs-negative"],
 )
-def test_block_scan_kernel(lengths, valid, block_size):
-    """The GPU's one-launch scan (here through the interpreter) agrees with the PyTorch block table."""
+def test_block_table_kernel(lengths, valid, block_size):
+    """The GPU's one-launch table (here through the interpreter) agrees with the PyTorch block table, over one
+    program's sequences and several; with bad offsets it says so, and still gives every slot a sequence in
+    ``[0, B]`` in order (what keeps the kernels' reads in bounds)."""
     offsets = make_offsets(lengths, KERNEL_DEVICE)
     n = int(offsets[-1])
-    block_cum, ok = scan_blocks(offsets, n, block_size)
+    table, ok = kernel_table(offsets, n, block_size)
     assert bool(ok) == valid
+    seq = table.block_seq.cpu()
+    assert seq.numel() == max_blocks(n, len(lengths), block_size)
+    assert bool((seq >= 0).all() and (seq <= len(lengths)).all() and (seq.diff() >= 0).all())
     if valid:
-        expected = torch.tensor([-(-n // block_size) for n in lengths], dtype=torch.int32).cumsum(0)
-        assert torch.equal(block_cum.cpu(), expected.int())
-        # The PyTorch ops that build the table where the scan kernel does not run agree with it.
-        assert torch.equal(build_block_table(offsets.cpu(), n, block_size).block_cum, expected.int())
+        expected = build_block_table(offsets.cpu(), n, block_size)  # the PyTorch ops of the other devices
+        want_cum = torch.tensor([-(-n // block_size) for n in lengths], dtype=torch.int32).cumsum(0)
+        assert torch.equal(expected.block_cum, want_cum.int())
+        assert torch.equal(table.block_cum.cpu(), expected.block_cum)
+        assert torch.equal(seq, expected.block_seq)
     bad_end = offsets.clone()
     bad_end[-1] += 1
-    assert not bool(scan_blocks(bad_end, n, block_size)[1])
+    assert not bool(kernel_table(bad_end, n, block_size)[1])
+    checked_only, ok = kernel_table(offsets, n, block_size, fill=False)
+    assert bool(ok) == valid and checked_only.num_slots == 0
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

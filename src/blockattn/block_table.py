@@ -37,35 +37,73 @@ def max_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
 
 
 @triton.jit
-def _block_scan_kernel(offsets_ptr, block_cum_ptr, ok_ptr, num_seqs, num_tokens, max_len,
-                       BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: ``block_cum`` = inclusive prefix sum of ``ceil(len_b / BS)``, and whether the offsets are valid
-    (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``, no length above ``max_len``): one launch instead of
-    a dozen small ones."""
-    ok = (tl.load(offsets_ptr) == 0) & (tl.load(offsets_ptr + num_seqs) == num_tokens)
-    carry = tl.zeros((), dtype=tl.int32)
-    for first in range(0, num_seqs, CHUNK):
-        idx = first + tl.arange(0, CHUNK)
-        in_range = idx < num_seqs
-        length = (tl.load(offsets_ptr + idx + 1, mask=in_range, other=0)
-                  - tl.load(offsets_ptr + idx, mask=in_range, other=0)).to(tl.int32)
-        ok = ok & (tl.min(length, axis=0) >= 0) & (tl.max(length, axis=0) <= max_len)
-        nblocks = tl.where(in_range, (length + BLOCK_SIZE - 1) // BLOCK_SIZE, 0)
-        tl.store(block_cum_ptr + idx, tl.cumsum(nblocks, axis=0) + carry, mask=in_range)
-        carry += tl.sum(nblocks, axis=0)
-    tl.store(ok_ptr, ok)
+def _sequence_blocks(offsets_ptr, idx, num_seqs, BLOCK_SIZE: tl.constexpr):
+    """Lengths and block counts of sequences ``idx`` (0 past the last; a negative length, from bad offsets, counts no
+    block, so that the slots stay in order)."""
+    in_range = idx < num_seqs
+    length = (tl.load(offsets_ptr + idx + 1, mask=in_range, other=0)
+              - tl.load(offsets_ptr + idx, mask=in_range, other=0)).to(tl.int32)
+    return length, tl.where(in_range, (tl.maximum(length, 0) + BLOCK_SIZE - 1) // BLOCK_SIZE, 0)
 
 
-def scan_blocks(offsets: torch.Tensor, num_tokens: int, block_size: int,
-                max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(block_cum, ok)`` by the one-launch scan kernel; ``ok`` (a bool scalar) says whether the offsets are valid."""
+@triton.jit
+def _block_table_kernel(offsets_ptr, block_cum_ptr, block_seq_ptr, ok_ptr, num_seqs, num_tokens, max_len, num_slots,
+                        BLOCK_SIZE: tl.constexpr, SEQS: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr,
+                        FILL: tl.constexpr):
+    """The whole block table in one launch. Program ``p`` takes sequences ``p * SEQS ...``: it counts the blocks of
+    the sequences before them (``CHUNK`` at a time), writes their ``block_cum`` and (``FILL``) the grid slots of their
+    blocks, which follow one another, ``SLOTS`` at a time; the program of the last sequence also writes the padding
+    slots up to ``num_slots``. Program 0 writes whether the offsets are valid (``offsets[0] == 0``, non-decreasing,
+    ``offsets[-1] == N``, no length above ``max_len``). Every slot below ``num_slots`` gets a sequence in ``[0, B]``,
+    valid offsets or not."""
+    pid = tl.program_id(0)
+    first = pid * SEQS
+    before = tl.zeros((), dtype=tl.int32)
+    for chunk in range(0, first, CHUNK):
+        before += tl.sum(_sequence_blocks(offsets_ptr, chunk + tl.arange(0, CHUNK), first, BLOCK_SIZE)[1], axis=0)
+    idx = first + tl.arange(0, SEQS)
+    nblocks = _sequence_blocks(offsets_ptr, idx, num_seqs, BLOCK_SIZE)[1]
+    cum = tl.cumsum(nblocks, axis=0) + before
+    tl.store(block_cum_ptr + idx, cum, mask=idx < num_seqs)
+    if FILL:
+        end = before + tl.sum(nblocks, axis=0)
+        for slot0 in range(before, end, SLOTS):
+            slot = slot0 + tl.arange(0, SLOTS)
+            # The slot's sequence: the first whose inclusive block count passes it.
+            seq = first + tl.sum((cum[None, :] <= slot[:, None]).to(tl.int32), axis=1)
+            tl.store(block_seq_ptr + slot, seq, mask=(slot < end) & (slot < num_slots))
+        if first + SEQS >= num_seqs:
+            for slot0 in range(end, num_slots, SLOTS):
+                slot = slot0 + tl.arange(0, SLOTS)
+                tl.store(block_seq_ptr + slot, num_seqs, mask=slot < num_slots)
+    if pid == 0:
+        ok = (tl.load(offsets_ptr) == 0) & (tl.load(offsets_ptr + num_seqs) == num_tokens)
+        for chunk in range(0, num_seqs, CHUNK):
+            length = _sequence_blocks(offsets_ptr, chunk + tl.arange(0, CHUNK), num_seqs, BLOCK_SIZE)[0]
+            ok = ok & (tl.min(length, axis=0) >= 0) & (tl.max(length, axis=0) <= max_len)
+        tl.store(ok_ptr, ok)
+
+
+# Sequences per program of the table kernel: each program fills its sequences' slots in turn, so few sequences per
+# program keep long ones (the `long` preset's 64 blocks a sequence) from serialising; 72-256 programs at the presets.
+_TABLE_SEQS = 16
+
+
+def kernel_table(offsets: torch.Tensor, num_tokens: int, block_size: int, max_len: int | None = None,
+                 fill: bool = True) -> tuple[BlockTable, torch.Tensor]:
+    """``(table, ok)`` by the one-launch table kernel; ``ok`` (a bool scalar) says whether the offsets are valid.
+    Without ``fill`` only ``block_cum`` is written (``block_seq`` is empty): the check of cumulative lengths that
+    need no table."""
     num_seqs = offsets.numel() - 1
+    num_slots = max_blocks(num_tokens, num_seqs, block_size) if fill else 0
     block_cum = torch.empty(num_seqs, dtype=torch.int32, device=offsets.device)
+    block_seq = torch.empty(num_slots, dtype=torch.int32, device=offsets.device)
     ok = torch.empty((), dtype=torch.bool, device=offsets.device)
-    launch(_block_scan_kernel, (1,), offsets_ptr=offsets, block_cum_ptr=block_cum, ok_ptr=ok, num_seqs=num_seqs,
-           num_tokens=num_tokens, max_len=num_tokens if max_len is None else max_len, BLOCK_SIZE=block_size,
-           CHUNK=1024)
-    return block_cum, ok
+    launch(_block_table_kernel, (max(1, triton.cdiv(num_seqs, _TABLE_SEQS)),), offsets_ptr=offsets,
+           block_cum_ptr=block_cum, block_seq_ptr=block_seq, ok_ptr=ok, num_seqs=num_seqs, num_tokens=num_tokens,
+           max_len=num_tokens if max_len is None else max_len, num_slots=num_slots, BLOCK_SIZE=block_size,
+           SEQS=_TABLE_SEQS, CHUNK=1024, SLOTS=256, FILL=fill)
+    return BlockTable(block_cum, block_seq), ok
 
 
 def _check_offsets_on_host(offsets: torch.Tensor, num_tokens: int, max_len: int | None, name: str) -> None:
@@ -85,28 +123,34 @@ def _blocks_per_seq(lengths: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.div(lengths + (block_size - 1), block_size, rounding_mode="floor")
 
 
-def _checked_block_cum(offsets: torch.Tensor, num_tokens: int, block_size: int, max_len: int | None,
-                       name: str) -> torch.Tensor:
-    """``block_cum`` of ``offsets``, whose values are checked (see :func:`build_block_table`)."""
-    if offsets.device.type == "cpu":
-        _check_offsets_on_host(offsets, num_tokens, max_len, name)
-        return torch.cumsum(_blocks_per_seq(offsets[1:] - offsets[:-1], block_size), 0, dtype=torch.int32)
+def _checked_table(offsets: torch.Tensor, num_tokens: int, block_size: int, max_len: int | None, name: str,
+                   fill: bool) -> BlockTable:
+    """The table of ``offsets`` (``block_seq`` empty without ``fill``), whose values are checked (see
+    :func:`build_block_table`)."""
     if kernels_run_on(offsets.device):
-        block_cum, ok = scan_blocks(offsets, num_tokens, block_size, max_len)
+        table, ok = kernel_table(offsets, num_tokens, block_size, max_len, fill)
     else:
         lengths = offsets[1:] - offsets[:-1]
+        if offsets.device.type == "cpu":
+            _check_offsets_on_host(offsets, num_tokens, max_len, name)
+            ok = None
+        else:
+            ok = (offsets[0] == 0) & (offsets[-1] == num_tokens) & (lengths >= 0).all()
+            if max_len is not None:
+                ok = ok & (lengths <= max_len).all()
         block_cum = torch.cumsum(_blocks_per_seq(lengths, block_size), 0, dtype=torch.int32)
-        ok = (offsets[0] == 0) & (offsets[-1] == num_tokens) & (lengths >= 0).all()
-        if max_len is not None:
-            ok = ok & (lengths <= max_len).all()
-    torch._assert_async(ok, f"blockattn: {name} must start at 0, be non-decreasing and end at N"
-                        + ("" if max_len is None else f", with no sequence above the max_seqlen hint {max_len}"))
-    return block_cum
+        slots = torch.arange(max_blocks(num_tokens, offsets.numel() - 1, block_size) if fill else 0,
+                             device=offsets.device, dtype=torch.int32)
+        table = BlockTable(block_cum, torch.searchsorted(block_cum, slots, right=True, out_int32=True))
+    if ok is not None:
+        torch._assert_async(ok, f"blockattn: {name} must start at 0, be non-decreasing and end at N"
+                            + ("" if max_len is None else f", with no sequence above the max_seqlen hint {max_len}"))
+    return table
 
 
 def check_offsets(offsets: torch.Tensor, num_tokens: int, max_len: int | None = None, name: str = "offsets") -> None:
     """The checks of :func:`build_block_table` alone, for cumulative lengths that need no table."""
-    _checked_block_cum(offsets, num_tokens, 1, max_len, name)
+    _checked_table(offsets, num_tokens, 1, max_len, name, fill=False)
 
 
 def build_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int, max_len: int | None = None,
@@ -117,13 +161,11 @@ def build_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int, m
     wrong. On a GPU reading the values would stall the host, so the check is a device-side assertion instead: it
     fails the next synchronising call with "device-side assert triggered". The kernels clamp every block to
     ``[0, N)`` meanwhile, so bad offsets never cause an out-of-bounds access. On a GPU that runs the Triton kernels
-    one launch builds the prefix sum and the check; on other GPUs PyTorch ops do. ``max_len``, when given, bounds
-    every sequence's length too; ``name`` is the argument the messages name.
+    one launch builds the table and the check (then the assertion: two launches, where the host time of a small
+    call is mostly launches); on other GPUs PyTorch ops do. ``max_len``, when given, bounds every sequence's length
+    too; ``name`` is the argument the messages name.
     """
-    num_seqs = offsets.numel() - 1
-    block_cum = _checked_block_cum(offsets, num_tokens, block_size, max_len, name)
-    slots = torch.arange(max_blocks(num_tokens, num_seqs, block_size), device=offsets.device, dtype=torch.int32)
-    return BlockTable(block_cum, torch.searchsorted(block_cum, slots, right=True, out_int32=True))
+    return _checked_table(offsets, num_tokens, block_size, max_len, name, fill=True)
 
 
 class BlockLayout(NamedTuple):
