@@ -32,7 +32,7 @@ def kernels_reason(device: torch.device) -> str | None:
 
 
 def kernels_run_on(device: torch.device) -> bool:
-    """Whether the Triton kernels (attention, the block table's scan, ``apply_rotary``'s kernel) run on ``device``."""
+    """Whether the Triton kernels (attention, the block table's, ``apply_rotary``'s) run on ``device``."""
     return kernels_reason(device) is None
 
 
