@@ -95,8 +95,8 @@ def _expression(i: int, value, constexpr: bool) -> str:
 
 
 def _key_function(values: tuple, constexprs: tuple[bool, ...], name: str = "kernel"):
-    """``key(a)`` of an argument tuple ``a`` whose arguments have the kinds of ``values``: a flat tuple. ``name``
-    (the kernel's) labels it in profiles."""
+    """``key(a)`` of an argument tuple ``a`` whose arguments have the kinds of ``values``: one entry per parameter.
+    ``name`` (the kernel's) labels it in profiles."""
     parts = ", ".join(_expression(i, value, c) for i, (value, c) in enumerate(zip(values, constexprs)))
     scope = {"_TENSORS": _TENSORS, "_uncached": _uncached, "_key_of": _key_of, "_descriptor_key": _descriptor_key,
              "TensorDescriptor": TensorDescriptor}
