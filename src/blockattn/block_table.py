@@ -139,9 +139,13 @@ def _checked_table(offsets: torch.Tensor, num_tokens: int, block_size: int, max_
             if max_len is not None:
                 ok = ok & (lengths <= max_len).all()
         block_cum = torch.cumsum(_blocks_per_seq(lengths, block_size), 0, dtype=torch.int32)
-        slots = torch.arange(max_blocks(num_tokens, offsets.numel() - 1, block_size) if fill else 0,
-                             device=offsets.device, dtype=torch.int32)
-        table = BlockTable(block_cum, torch.searchsorted(block_cum, slots, right=True, out_int32=True))
+        if fill:
+            slots = torch.arange(max_blocks(num_tokens, offsets.numel() - 1, block_size), device=offsets.device,
+                                 dtype=torch.int32)
+            block_seq = torch.searchsorted(block_cum, slots, right=True, out_int32=True)
+        else:
+            block_seq = block_cum.new_empty(0)
+        table = BlockTable(block_cum, block_seq)
     if ok is not None:
         torch._assert_async(ok, f"blockattn: {name} must start at 0, be non-decreasing and end at N"
                             + ("" if max_len is None else f", with no sequence above the max_seqlen hint {max_len}"))
