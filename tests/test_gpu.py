@@ -222,8 +222,9 @@ def test_fused_rotary_gqa(heads):
     assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=ROTATE_ALL)
 
 
-def test_fused_rotary_backward_is_bitwise_deterministic():
-    q, k, v, do, offsets = random_inputs(random_lengths(32, 500, 64), 3, 3, 128, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("heads", [(3, 3), (8, 2)], ids=lambda h: f"{h[0]}:{h[1]}")
+def test_fused_rotary_backward_is_bitwise_deterministic(heads):
+    q, k, v, do, offsets = random_inputs(random_lengths(32, 500, 64), *heads, 128, torch.bfloat16, "cuda")
     sinu_pos = random_angles(q.shape[0], 128, torch.bfloat16, "cuda")
     first = public_op(q, k, v, do, offsets, 64, sinu_pos=sinu_pos)
     for _ in range(2):
@@ -232,9 +233,9 @@ def test_fused_rotary_backward_is_bitwise_deterministic():
 
 
 def test_dispatcher_on_this_gpu():
-    """On this GPU the Hopper kernel takes the backward of 64-token blocks, D = 128, no GQA, 16-bit tensors that TMA
-    reads as [N, H * D] rows, with or without a rotary (on other GPUs the Triton kernels do); the forward and every
-    other backward run the Triton kernels."""
+    """On this GPU the Hopper kernels take the backward of 64-token blocks, D = 128, with or without GQA, 16-bit
+    tensors that TMA reads as [N, H * D] rows, with or without a rotary (on other GPUs the Triton kernels do); the
+    forward and every other backward run the Triton kernels."""
     q, k, v, do, _ = random_inputs([100], 3, 3, 128, torch.bfloat16, "cuda")
 
     def chosen(pass_name, q, k, v, do, grads, block_size, rotate):
@@ -244,12 +245,12 @@ def test_dispatcher_on_this_gpu():
     production = "sm90-gluon" if ON_HOPPER else "triton"
     for rotate in (0, 1, ROTATE_ALL):
         assert chosen("bwd", q, k, v, do, (q, k, v), 64, rotate) == production
+        assert chosen("bwd", q, k[:, :1], v[:, :1], do, (q, k[:, :1], v[:, :1]), 64, rotate) == production  # GQA
         assert chosen("fwd", q, k, v, do, (), 64, rotate) == "triton"
     padded_heads = torch.randn(100, 3, 136, dtype=torch.bfloat16, device="cuda")[..., :128]
     odd_rows = torch.randn(100, 385, dtype=torch.bfloat16, device="cuda")[:, :384].view(100, 3, 128)
     for other in [
         (q, k, v, do, (q, k, v), 128, ROTATE_ALL),
-        (q, k[:, :1], v[:, :1], do, (q, k[:, :1], v[:, :1]), 64, ROTATE_ALL),  # GQA
         (*(t.float() for t in (q, k, v, do)), (q, k, v), 64, ROTATE_ALL),
         (q[..., :64], k[..., :64], v[..., :64], do[..., :64], (q, k, v), 64, ROTATE_ALL),
         (padded_heads, k, v, do, (q, k, v), 64, ROTATE_ALL),  # heads not side by side: no [N, H * D] descriptor
@@ -260,18 +261,22 @@ def test_dispatcher_on_this_gpu():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("heads", [(3, 3), (4, 2), (6, 2), (8, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rotate", [(), ("q",), ("k",), ("q", "k"), ("v",), ("q", "v"), ("k", "v"), ("q", "k", "v")],
                          ids=lambda r: "".join(r) or "plain")
-def test_sm90_backward_accuracy_contract(rotate, dtype, poisoned_outputs, monkeypatch):
-    """The Hopper kernel (checked to run) on odd lengths, plain and with every rotate choice: the accuracy contract
-    against float64."""
+def test_sm90_backward_accuracy_contract(rotate, dtype, heads, head_dim, poisoned_outputs, monkeypatch):
+    """The Hopper kernels (checked to run) on odd lengths, at each head dim they take, without and with GQA (odd
+    and even groups), plain and with every rotate choice: the accuracy contract against float64."""
+    if rotate and heads[0] != heads[1] and head_dim == 64:
+        pytest.skip("the dispatcher sends a rotary under GQA at D = 64 to the Triton kernels")
     calls = []
     hopper = backends.BACKENDS["sm90-gluon"]
     monkeypatch.setitem(backends.BACKENDS, "sm90-gluon", dataclasses.replace(
         hopper, backward=lambda *args: calls.append(1) or hopper.backward(*args)))
-    q, k, v, do, offsets = random_inputs(random_lengths(6, 400, 64), 3, 3, 128, dtype, "cuda")
-    sinu_pos = random_angles(q.shape[0], 128, dtype, "cuda") if rotate else None
+    q, k, v, do, offsets = random_inputs(random_lengths(6, 400, 64), *heads, head_dim, dtype, "cuda")
+    sinu_pos = random_angles(q.shape[0], head_dim, dtype, "cuda") if rotate else None
     rotary = {"sinu_pos": sinu_pos, "rotate": rotate} if rotate else {}
     results = public_op(q, k, v, do, offsets, 64, **rotary)
     assert calls == [1]

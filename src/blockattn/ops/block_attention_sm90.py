@@ -34,6 +34,11 @@ try:
 except ImportError:  # triton 3.6 names it async_copy_global_to_shared (removed later)
     from triton.experimental.gluon.language.nvidia.hopper.tma import async_copy_global_to_shared as tma_load
 
+try:
+    _barrier = gl.barrier
+except AttributeError:  # triton 3.6 names it thread_barrier
+    _barrier = gl.thread_barrier
+
 from ..block_table import BlockTable
 from .in_block import InBlock
 from .launch import launch
@@ -49,7 +54,7 @@ from .tiles import (
 )
 
 _BLOCK_SIZE = 64
-_HEAD_DIM = 128
+_HEAD_DIMS = (32, 64, 128)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
@@ -88,10 +93,12 @@ def _prepare_tile(tile, sin, cos, row_ok, layout: gl.constexpr, ROTATE: gl.const
 
 
 @gluon.jit
-def _store_gradient(acc, stage, base, stride_n, length, sin, cos, ROTATE: gl.constexpr, out_layout: gl.constexpr):
+def _store_gradient(acc, stage, base, stride_n, length, sin, cos, ROTATE: gl.constexpr):
     """Store a gradient tile, turned back (``sin -> -sin``, fp32) when ``ROTATE``: through ``stage`` (a tile no
     longer read) so that each thread writes 16 contiguous bytes; rows past the block's end are not written."""
     dtype: gl.constexpr = base.dtype.element_ty
+    WIDTH: gl.constexpr = acc.shape[1]
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // WIDTH, WIDTH // 8], [4, 1], [1, 0])
     if ROTATE:
         even, odd = _pairs(acc)
         sin = sin.to(gl.float32)
@@ -103,6 +110,41 @@ def _store_gradient(acc, stage, base, stride_n, length, sin, cos, ROTATE: gl.con
     rows = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, out_layout))
     cols = gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, out_layout))
     gl.store(base + rows.to(gl.int64)[:, None] * stride_n + cols[None, :], tile, mask=(rows < length)[:, None])
+
+
+@gluon.jit
+def _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK: gl.constexpr, WIDTH: gl.constexpr,
+                 COL0: gl.constexpr, HALF_D: gl.constexpr, layout: gl.constexpr, ROTATE: gl.constexpr):
+    """``(sin, cos, row_ok)`` of the pairs of head-dim columns ``[COL0, COL0 + WIDTH)``, in the pair halves of
+    ``layout`` (a product's accumulator layout, which the operands are loaded in too); without a rotary ``sin`` and
+    ``cos`` are stand-ins, never read (a function cannot return None)."""
+    rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    pair_rows, _ = _pairs(gl.zeros([BLOCK, WIDTH], gl.int32, layout) + rows[:, None])
+    row_ok = pair_rows < length
+    if ROTATE != 0:
+        cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+        pair_cols, _ = _pairs(gl.zeros([BLOCK, WIDTH], gl.int32, layout) + ((COL0 + cols) // 2)[None, :])
+        angle_ptrs = sinu_ptr + (start + pair_rows) * stride_sn + pair_cols * stride_sd
+        sin = gl.load(angle_ptrs, mask=row_ok, other=0.0)
+        cos = gl.load(angle_ptrs + HALF_D * stride_sd, mask=row_ok, other=0.0)
+    else:
+        sin = pair_rows
+        cos = pair_rows
+    return sin, cos, row_ok
+
+
+@gluon.jit
+def _probs_and_grads(q, k, v, do, length, scale, qk_scale_log2, scores_layout: gl.constexpr):
+    """``(P, dS)`` of one (block, query head) in the inputs' dtype from the landed tiles, ``dS`` times ``scale``."""
+    BLOCK: gl.constexpr = q.shape[0]
+    zeros = gl.zeros([BLOCK, BLOCK], gl.float32, scores_layout)
+    scores = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do, v.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(scores, dp))
+    key_ok = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout)) < length
+    p = softmax_probs(scores, key_ok, qk_scale_log2)
+    ds = grad_scores(p, dp, q.dtype, scale)  # before P is rounded: p and dp die sooner
+    return p.to(q.dtype), ds
 
 
 @gluon.jit
@@ -122,7 +164,6 @@ def _block_attention_bwd_sm90_kernel(
                                                             instr_shape=[16, BLOCK, 16])
     grad_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, D, 16])
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
 
     pid = gl.program_id(0)
     head = pid % NUM_HEADS
@@ -146,20 +187,9 @@ def _block_attention_bwd_sm90_kernel(
         tma_load(v_desc, [row, col], landed, v)
         tma_load(do_desc, [row, col], landed, do)
 
-        # The angles of each pair, in the pair halves of the gradient layout: they turn the operands (loaded in
-        # that layout too) and the gradients. Loaded while the tiles land.
-        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, grad_layout))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, grad_layout))
-        pair_rows, _ = _pairs(gl.zeros([BLOCK, D], gl.int32, grad_layout) + rows[:, None])
-        row_ok = pair_rows < length
-        if ROTATE != 0:
-            pair_cols, _ = _pairs(gl.zeros([BLOCK, D], gl.int32, grad_layout) + (cols // 2)[None, :])
-            angle_ptrs = sinu_ptr + (start + pair_rows) * stride_sn + pair_cols * stride_sd
-            sin = gl.load(angle_ptrs, mask=row_ok, other=0.0)
-            cos = gl.load(angle_ptrs + (D // 2) * stride_sd, mask=row_ok, other=0.0)
-        else:
-            sin = None
-            cos = None
+        # The angles turn the operands and the gradients; loaded while the tiles land.
+        sin, cos, row_ok = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, D, 0, D // 2,
+                                        grad_layout, ROTATE)
         partial = length < BLOCK
         mbarrier.wait(landed, 0)
         mbarrier.invalidate(landed)
@@ -169,42 +199,156 @@ def _block_attention_bwd_sm90_kernel(
         _prepare_tile(do, sin, cos, row_ok, grad_layout, 0, partial)
         fence_async_shared()
 
-        zeros = gl.zeros([BLOCK, BLOCK], gl.float32, scores_layout)
-        scores = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do, v.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(scores, dp))
-        key_ok = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout)) < length
-        p = softmax_probs(scores, key_ok, qk_scale_log2)
-        ds = grad_scores(p, dp, dtype, scale)  # before dV's product: p and dp die sooner
-        probs.store(p.to(dtype))
+        p, ds = _probs_and_grads(q, k, v, do, length, scale, qk_scale_log2, scores_layout)
+        probs.store(p)
         fence_async_shared()
         zeros = gl.zeros([BLOCK, D], gl.float32, grad_layout)
         dv = warpgroup_mma(probs.permute((1, 0)), do, zeros, use_acc=False, is_async=True)
         dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
         probs.store(ds)
         fence_async_shared()
-        _store_gradient(dv, do, dv_ptr + start * stride_dvn + col, stride_dvn, length, sin, cos, ROTATE_V & ROTATE,
-                        out_layout)
+        _store_gradient(dv, do, dv_ptr + start * stride_dvn + col, stride_dvn, length, sin, cos, ROTATE_V & ROTATE)
         dk = warpgroup_mma(probs.permute((1, 0)), q, zeros, use_acc=False, is_async=True)
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
-        _store_gradient(dk, v, dk_ptr + start * stride_dkn + col, stride_dkn, length, sin, cos, ROTATE_K & ROTATE,
-                        out_layout)
+        _store_gradient(dk, v, dk_ptr + start * stride_dkn + col, stride_dkn, length, sin, cos, ROTATE_K & ROTATE)
         dq = warpgroup_mma(probs, k, zeros, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        _store_gradient(dq, q, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos, ROTATE_Q & ROTATE,
-                        out_layout)
+        _store_gradient(dq, q, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos, ROTATE_Q & ROTATE)
+
+
+@gluon.jit
+def _load_head(q_desc, do_desc, row, col, heads, buf, landed):
+    """One query head's q and dO tiles by TMA into buffer ``buf`` of ``heads``, counted on its barrier."""
+    bar = landed.index(buf)
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes)
+    tma_load(q_desc, [row, col], bar, heads.index(2 * buf))
+    tma_load(do_desc, [row, col], bar, heads.index(2 * buf + 1))
+
+
+@gluon.jit
+def _block_attention_bwd_sm90_gqa_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, sinu_ptr,
+    block_seq_ptr, block_cum_ptr, offsets_ptr,
+    num_seqs, num_tokens, scale, qk_scale_log2,
+    stride_dqn, stride_dkn, stride_dvn, stride_sn, stride_sd,
+    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, ROTATE: gl.constexpr,
+):
+    # One program per (block, kv head), kv heads fastest: k and v land (and turn) once, then the GROUP query heads
+    # that share them run in turn, the next head's q and dO landing in a second buffer while this one computes.
+    # dk and dv accumulate over the group in the products' registers and are stored once: no atomics, bitwise
+    # reproducible. Beside those two accumulators (128 registers a thread) q is turned, and dq computed and stored,
+    # in two halves of their columns, and the angles are loaded again where needed (an L1/L2 hit): otherwise
+    # registers spill.
+    BLOCK: gl.constexpr = q_desc.block_type.shape[0]
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    HALF: gl.constexpr = D // 2
+    dtype: gl.constexpr = q_desc.dtype
+    scores_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK, 16])
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HALF, 16])
+
+    pid = gl.program_id(0)
+    kv_head = pid % NUM_KV_HEADS
+    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, pid // NUM_KV_HEADS, num_seqs,
+                                 num_tokens, BLOCK)
+    if length > 0:
+        kv = gl.allocate_shared_memory(dtype, [2, BLOCK, D], k_desc.layout)
+        heads = gl.allocate_shared_memory(dtype, [4, BLOCK, D], q_desc.layout)  # q, dO of buffer 0, then 1
+        probs = gl.allocate_shared_memory(dtype, [BLOCK, BLOCK], gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK],
+                                                                                                       dtype))
+        landed = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # each buffer; k and v
+        for i in gl.static_range(3):
+            mbarrier.init(landed.index(i), count=1)
+        k = kv.index(0)
+        v = kv.index(1)
+        row = start.to(gl.int32)
+        mbarrier.expect(landed.index(2), 2 * k_desc.block_type.nbytes)
+        tma_load(k_desc, [row, kv_head * D], landed.index(2), k)
+        tma_load(v_desc, [row, kv_head * D], landed.index(2), v)
+        _load_head(q_desc, do_desc, row, kv_head * GROUP * D, heads, 0, landed)
+
+        kv_rotate: gl.constexpr = ROTATE & (ROTATE_K | ROTATE_V)
+        partial = length < BLOCK
+        mbarrier.wait(landed.index(2), 0)
+        for c in gl.static_range(2):
+            half_sin, half_cos, half_row_ok = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, HALF,
+                                                           c * HALF, HALF, half_layout, kv_rotate)
+            _prepare_tile(k.slice(c * HALF, HALF, dim=1), half_sin, half_cos, half_row_ok, half_layout,
+                          ROTATE_K & ROTATE, partial)
+            _prepare_tile(v.slice(c * HALF, HALF, dim=1), half_sin, half_cos, half_row_ok, half_layout,
+                          ROTATE_V & ROTATE, partial)
+
+        dk0 = gl.zeros([BLOCK, HALF], gl.float32, half_layout)
+        dk1 = gl.zeros([BLOCK, HALF], gl.float32, half_layout)
+        dv0 = gl.zeros([BLOCK, HALF], gl.float32, half_layout)
+        dv1 = gl.zeros([BLOCK, HALF], gl.float32, half_layout)
+        for g in range(GROUP):
+            buf = g % 2
+            head_col = (kv_head * GROUP + g) * D
+            if g + 1 < GROUP:
+                # Every thread is done with the other buffer (the previous head's products and staging) before
+                # TMA overwrites it.
+                fence_async_shared()
+                _barrier()
+                _load_head(q_desc, do_desc, row, head_col + D, heads, 1 - buf, landed)
+            q = heads.index(2 * buf)
+            do = heads.index(2 * buf + 1)
+            mbarrier.wait(landed.index(buf), (g // 2) & 1)
+            for c in gl.static_range(2):
+                q_sin, q_cos, q_row_ok = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, HALF,
+                                                      c * HALF, HALF, half_layout, ROTATE & ROTATE_Q)
+                _prepare_tile(q.slice(c * HALF, HALF, dim=1), q_sin, q_cos, q_row_ok, half_layout, ROTATE_Q & ROTATE,
+                              partial)
+                _prepare_tile(do.slice(c * HALF, HALF, dim=1), q_sin, q_cos, q_row_ok, half_layout, 0, partial)
+            fence_async_shared()
+
+            p, ds = _probs_and_grads(q, k, v, do, length, scale, qk_scale_log2, scores_layout)
+            probs.store(p)
+            fence_async_shared()
+            dv0 = warpgroup_mma(probs.permute((1, 0)), do.slice(0, HALF, dim=1), dv0, is_async=True)
+            dv1 = warpgroup_mma(probs.permute((1, 0)), do.slice(HALF, HALF, dim=1), dv1, is_async=True)
+            dv0, dv1 = warpgroup_mma_wait(num_outstanding=0, deps=(dv0, dv1))
+            probs.store(ds)
+            fence_async_shared()
+            dk0 = warpgroup_mma(probs.permute((1, 0)), q.slice(0, HALF, dim=1), dk0, is_async=True)
+            dk1 = warpgroup_mma(probs.permute((1, 0)), q.slice(HALF, HALF, dim=1), dk1, is_async=True)
+            dk0, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1))
+            for c in gl.static_range(2):
+                dq = warpgroup_mma(probs, k.slice(c * HALF, HALF, dim=1),
+                                   gl.zeros([BLOCK, HALF], gl.float32, half_layout), use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                dq_sin, dq_cos, _ = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, HALF, c * HALF,
+                                                 HALF, half_layout, ROTATE & ROTATE_Q)
+                _store_gradient(dq, q.slice(c * HALF, HALF, dim=1), dq_ptr + start * stride_dqn + head_col + c * HALF,
+                                stride_dqn, length, dq_sin, dq_cos, ROTATE_Q & ROTATE)
+        for i in gl.static_range(3):
+            mbarrier.invalidate(landed.index(i))
+        dv_halves = (dv0, dv1)
+        dk_halves = (dk0, dk1)
+        for c in gl.static_range(2):
+            half_sin, half_cos, _ = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, HALF, c * HALF,
+                                                 HALF, half_layout, kv_rotate)
+            _store_gradient(dv_halves[c], v.slice(c * HALF, HALF, dim=1),
+                            dv_ptr + start * stride_dvn + kv_head * D + c * HALF, stride_dvn, length, half_sin,
+                            half_cos, ROTATE_V & ROTATE)
+            _store_gradient(dk_halves[c], k.slice(c * HALF, HALF, dim=1),
+                            dk_ptr + start * stride_dkn + kv_head * D + c * HALF, stride_dkn, length, half_sin,
+                            half_cos, ROTATE_K & ROTATE)
 
 
 def why_not(call) -> str | None:
-    """Why this kernel does not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: it takes
-    64-token blocks, D = 128, no GQA, 16-bit inputs that TMA can read and gradients laid out as ``[N, H * D]``
-    rows, with or without a rotary, and none of the in-block options (causal, biases, dropout)."""
+    """Why these kernels do not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: they take
+    64-token blocks at D = 32, 64 or 128, with or without GQA, 16-bit inputs that TMA can read and gradients laid
+    out as ``[N, H * D]`` rows, with or without a rotary, and none of the in-block options (causal, biases,
+    dropout). A rotary under GQA at D = 64 stays with the Triton kernels: 1.70-2.10x the floor there against
+    2.02-2.14x here (H100, `ads` lengths, fp32 angles)."""
     if call.in_block:
         return "takes none of the in-block options (causal, biases, dropout)"
-    if call.block_size != _BLOCK_SIZE or call.head_dim != _HEAD_DIM:
-        return f"takes {_BLOCK_SIZE}-token blocks at D = {_HEAD_DIM} only"
-    if call.num_heads != call.num_kv_heads:
-        return "takes no GQA"
+    if call.block_size != _BLOCK_SIZE or call.head_dim not in _HEAD_DIMS:
+        return f"takes {_BLOCK_SIZE}-token blocks at D in {_HEAD_DIMS} only"
+    if call.rotate and call.num_heads != call.num_kv_heads and call.head_dim == 64:
+        return "takes no fused rotary under GQA at D = 64 (the Triton kernels are faster there)"
     if call.dtype not in _GL_DTYPES:
         return "takes float16 and bfloat16 only"
     if not call.tma_rows:
@@ -229,18 +373,23 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     """Write ``(dq, dk, dv)`` into ``grads``, where :func:`why_not` says nothing against the call (the dispatcher's
     backward signature, ``backends``; ``options`` are then the plain op's, whose biases have no gradient)."""
     n, h, _ = q.shape
+    kv_heads = k.shape[1]
     dq, dk, dv = grads
     if table.num_slots == 0:
         return None, None
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
+    if h == kv_heads:
+        kernel, heads = _block_attention_bwd_sm90_kernel, {"NUM_HEADS": h}
+    else:
+        kernel, heads = _block_attention_bwd_sm90_gqa_kernel, {"NUM_KV_HEADS": kv_heads, "GROUP": h // kv_heads}
     launch(
-        _block_attention_bwd_sm90_kernel, (table.num_slots * h,),
+        kernel, (table.num_slots * kv_heads,),
         q_desc=_descriptor(q), k_desc=_descriptor(k), v_desc=_descriptor(v), do_desc=_descriptor(grad_out),
         dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, sinu_ptr=sinu_ptr,
         block_seq_ptr=table.block_seq, block_cum_ptr=table.block_cum, offsets_ptr=offsets,
         num_seqs=offsets.numel() - 1, num_tokens=n, scale=scale, qk_scale_log2=scale * LOG2E,
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
         stride_sn=stride_sn, stride_sd=stride_sd,
-        NUM_HEADS=h, ROTATE=rotate, num_warps=4,
+        **heads, ROTATE=rotate, num_warps=4,
     )
     return None, None
