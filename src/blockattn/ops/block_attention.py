@@ -19,8 +19,8 @@ The in-block options (``IN_BLOCK``, a mask of ``ops.in_block``'s bits: causal ma
 dropout) change the score tile between the products and the softmax (``ops.in_block.block_probs`` and
 ``block_probs_and_grads``); they run in the forward and the one-block backward (the persistent backward takes none).
 
-On Hopper GPUs the dispatcher (``backends``) sends the backward of the production shape (64-token blocks, D = 128,
-no GQA, 16-bit), plain or rotary, to a Gluon kernel instead (``block_attention_sm90``). The PyTorch path is in
+On Hopper GPUs the dispatcher (``backends``) sends the backward of 64-token blocks at D = 32, 64 and 128 (16-bit,
+with or without GQA), plain or rotary, to Gluon kernels instead (``block_attention_sm90``). The PyTorch path is in
 ``block_attention_torch``.
 """
 
@@ -95,11 +95,11 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     plain floor against 14.5x for 64 x 128).
 
     The backward of 64-token blocks with 64 < D <= 128 and 16-bit inputs runs a persistent loop that prefetches the
-    next step's tiles three deep (the dispatcher sends the one without GQA to ``block_attention_sm90`` on Hopper
-    GPUs); fp32 tiles would not fit three deep in shared memory. Under GQA its steps run the group's query heads
-    of a block in turn (1.24x and 1.47x the floor at 2:1 and 4:1 on an H100, against 2.18x and 2.42x for one
-    program per block and 64-wide slice). A GQA group's loop in the one-block kernel is pipelined two deep
-    (``GROUP_STAGES``: 1.26x against 1.54x at D = 64, 4:1). ``persistent`` says whether the persistent kernel may
+    next step's tiles three deep (on Hopper GPUs the dispatcher sends it to ``block_attention_sm90``); fp32 tiles
+    would not fit three deep in shared memory. Under GQA its steps run the group's query heads of a block in turn
+    (1.24x and 1.47x the floor at 2:1 and 4:1 on an H100, against 2.18x and 2.42x for one program per block and
+    64-wide slice). A GQA group's loop in the one-block kernel is pipelined two deep (``GROUP_STAGES``: 1.26x
+    against 1.54x at D = 64, 4:1). ``persistent`` says whether the persistent kernel may
     run (it takes no in-block options, and needs q and dq in one layout, k, v, dk and dv in another); where it may
     not, its shapes get the one-block kernel's slices.
 

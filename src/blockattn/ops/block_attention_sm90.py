@@ -1,17 +1,22 @@
-"""The backward of block attention on Hopper (sm_90), plain or with a fused rotary: a Gluon kernel, its launcher,
-and what it takes (:func:`why_not`, which the dispatcher asks).
+"""The backward of block attention on Hopper (sm_90), plain or with a fused rotary, with or without GQA: Gluon
+kernels, their launcher, and what they take (:func:`why_not`, which the dispatcher asks).
 
-One program per (block, head), as the Triton kernels, but its four tiles come in by TMA: one thread issues four bulk
-copies into 64 KB of shared memory and nothing is staged in registers, so every byte of the program is in flight at
-once, while the angles load beside them. The rotated operands are then turned in place (rows past the block's end
-zeroed: TMA fetched the next block's rows there), and the five products read whole 128-wide rows straight from
+Without GQA, one program per (block, head), as the Triton kernels, but its four tiles come in by TMA: one thread
+issues four bulk copies into shared memory and nothing is staged in registers, so every byte of the program is in
+flight at once, while the angles load beside them. The rotated operands are then turned in place (rows past the
+block's end zeroed: TMA fetched the next block's rows there), and the five products read whole rows straight from
 those tiles (``wgmma``): pairs stay interleaved, since a product over the head dim does not care about the order of
 its terms. The gradients are turned back in fp32 in the products' own layout, where each thread holds both halves
 of its pairs, staged in the tiles that are no longer read, and stored 16 bytes per thread.
 
-Measured against the Triton kernels it replaces there (docs/benchmarks.md, times over the memory floor): the rotary
-backward at the ``ads-rotary`` shape 1.18x -> 1.05x on an H100 and 1.45x -> 1.30x on an H200 (where its 210
-registers leave two programs per multiprocessor); the plain backward on an H200 1.12x -> 1.01x (``ads``).
+Under GQA, one program per (block, kv head): k and v land and turn once, the group's query heads run in turn with
+the next head's q and dO landing in a second buffer, and dk and dv accumulate in registers across the group.
+
+Measured against the Triton kernels they replace (docs/benchmarks.md, times over the memory floor): without GQA,
+the rotary backward at the ``ads-rotary`` shape 1.18x -> 1.05x on an H100 and 1.45x -> 1.30x on an H200, the plain
+backward on an H200 1.12x -> 1.01x (``ads``); under GQA at ``ads`` lengths, D = 128, 2 to 8 query heads per kv
+head, 1.25-1.68x -> 1.01-1.04x on an H100 and 1.74-2.37x -> 1.05-1.17x on an H200 (with a rotary and fp32 angles
+2.12-2.52x -> 1.79-1.90x and 2.89-3.47x -> 2.51-2.70x).
 """
 
 from __future__ import annotations
@@ -226,27 +231,41 @@ def _load_head(q_desc, do_desc, row, col, heads, buf, landed):
 
 
 @gluon.jit
+def _product_parts(a, b, acc0, acc1, PARTS: gl.constexpr):
+    """``acc0 += a @ b[:, :W]`` and, where ``PARTS == 2``, ``acc1 += a @ b[:, W:]`` (``W``: ``b``'s width over
+    ``PARTS``; ``acc1`` is returned untouched otherwise)."""
+    W: gl.constexpr = b.shape[1] // PARTS
+    acc0 = warpgroup_mma(a, b.slice(0, W, dim=1), acc0, is_async=True)
+    if PARTS == 2:
+        acc1 = warpgroup_mma(a, b.slice(W, W, dim=1), acc1, is_async=True)
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+    else:
+        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+    return acc0, acc1
+
+
+@gluon.jit
 def _block_attention_bwd_sm90_gqa_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, sinu_ptr,
     block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_tokens, scale, qk_scale_log2,
     stride_dqn, stride_dkn, stride_dvn, stride_sn, stride_sd,
-    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, ROTATE: gl.constexpr,
+    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, ROTATE: gl.constexpr, PARTS: gl.constexpr,
 ):
     # One program per (block, kv head), kv heads fastest: k and v land (and turn) once, then the GROUP query heads
     # that share them run in turn, the next head's q and dO landing in a second buffer while this one computes.
     # dk and dv accumulate over the group in the products' registers and are stored once: no atomics, bitwise
-    # reproducible. Beside those two accumulators (128 registers a thread) q is turned, and dq computed and stored,
-    # in two halves of their columns, and the angles are loaded again where needed (an L1/L2 hit): otherwise
-    # registers spill.
+    # reproducible. At D = 128 the two accumulators take 128 registers a thread, so every column-wise step (dk,
+    # dv and dq products, turning q, storing gradients) runs in PARTS = 2 column halves, and the angles are loaded
+    # again where needed (an L1/L2 hit) rather than held across the loop: otherwise registers spill.
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
-    HALF: gl.constexpr = D // 2
+    W: gl.constexpr = D // PARTS
     dtype: gl.constexpr = q_desc.dtype
     scores_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK, 16])
-    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, HALF, 16])
+    part_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, W, 16])
 
     pid = gl.program_id(0)
     kv_head = pid % NUM_KV_HEADS
@@ -271,18 +290,16 @@ def _block_attention_bwd_sm90_gqa_kernel(
         kv_rotate: gl.constexpr = ROTATE & (ROTATE_K | ROTATE_V)
         partial = length < BLOCK
         mbarrier.wait(landed.index(2), 0)
-        for c in gl.static_range(2):
-            half_sin, half_cos, half_row_ok = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, HALF,
-                                                           c * HALF, HALF, half_layout, kv_rotate)
-            _prepare_tile(k.slice(c * HALF, HALF, dim=1), half_sin, half_cos, half_row_ok, half_layout,
-                          ROTATE_K & ROTATE, partial)
-            _prepare_tile(v.slice(c * HALF, HALF, dim=1), half_sin, half_cos, half_row_ok, half_layout,
-                          ROTATE_V & ROTATE, partial)
+        for c in gl.static_range(PARTS):
+            sin, cos, row_ok = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
+                                            part_layout, kv_rotate)
+            _prepare_tile(k.slice(c * W, W, dim=1), sin, cos, row_ok, part_layout, ROTATE_K & ROTATE, partial)
+            _prepare_tile(v.slice(c * W, W, dim=1), sin, cos, row_ok, part_layout, ROTATE_V & ROTATE, partial)
 
-        dk0 = gl.zeros([BLOCK, HALF], gl.float32, half_layout)
-        dk1 = gl.zeros([BLOCK, HALF], gl.float32, half_layout)
-        dv0 = gl.zeros([BLOCK, HALF], gl.float32, half_layout)
-        dv1 = gl.zeros([BLOCK, HALF], gl.float32, half_layout)
+        dk0 = gl.zeros([BLOCK, W], gl.float32, part_layout)
+        dk1 = gl.zeros([BLOCK, W], gl.float32, part_layout)
+        dv0 = gl.zeros([BLOCK, W], gl.float32, part_layout)
+        dv1 = gl.zeros([BLOCK, W], gl.float32, part_layout)
         for g in range(GROUP):
             buf = g % 2
             head_col = (kv_head * GROUP + g) * D
@@ -295,60 +312,56 @@ def _block_attention_bwd_sm90_gqa_kernel(
             q = heads.index(2 * buf)
             do = heads.index(2 * buf + 1)
             mbarrier.wait(landed.index(buf), (g // 2) & 1)
-            for c in gl.static_range(2):
-                q_sin, q_cos, q_row_ok = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, HALF,
-                                                      c * HALF, HALF, half_layout, ROTATE & ROTATE_Q)
-                _prepare_tile(q.slice(c * HALF, HALF, dim=1), q_sin, q_cos, q_row_ok, half_layout, ROTATE_Q & ROTATE,
+            for c in gl.static_range(PARTS):
+                q_sin, q_cos, q_row_ok = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W,
+                                                      D // 2, part_layout, ROTATE & ROTATE_Q)
+                _prepare_tile(q.slice(c * W, W, dim=1), q_sin, q_cos, q_row_ok, part_layout, ROTATE_Q & ROTATE,
                               partial)
-                _prepare_tile(do.slice(c * HALF, HALF, dim=1), q_sin, q_cos, q_row_ok, half_layout, 0, partial)
+                _prepare_tile(do.slice(c * W, W, dim=1), q_sin, q_cos, q_row_ok, part_layout, 0, partial)
             fence_async_shared()
 
             p, ds = _probs_and_grads(q, k, v, do, length, scale, qk_scale_log2, scores_layout)
             probs.store(p)
             fence_async_shared()
-            dv0 = warpgroup_mma(probs.permute((1, 0)), do.slice(0, HALF, dim=1), dv0, is_async=True)
-            dv1 = warpgroup_mma(probs.permute((1, 0)), do.slice(HALF, HALF, dim=1), dv1, is_async=True)
-            dv0, dv1 = warpgroup_mma_wait(num_outstanding=0, deps=(dv0, dv1))
+            dv0, dv1 = _product_parts(probs.permute((1, 0)), do, dv0, dv1, PARTS)
             probs.store(ds)
             fence_async_shared()
-            dk0 = warpgroup_mma(probs.permute((1, 0)), q.slice(0, HALF, dim=1), dk0, is_async=True)
-            dk1 = warpgroup_mma(probs.permute((1, 0)), q.slice(HALF, HALF, dim=1), dk1, is_async=True)
-            dk0, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dk0, dk1))
-            for c in gl.static_range(2):
-                dq = warpgroup_mma(probs, k.slice(c * HALF, HALF, dim=1),
-                                   gl.zeros([BLOCK, HALF], gl.float32, half_layout), use_acc=False, is_async=True)
+            dk0, dk1 = _product_parts(probs.permute((1, 0)), q, dk0, dk1, PARTS)
+            for c in gl.static_range(PARTS):
+                dq = warpgroup_mma(probs, k.slice(c * W, W, dim=1), gl.zeros([BLOCK, W], gl.float32, part_layout),
+                                   use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                dq_sin, dq_cos, _ = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, HALF, c * HALF,
-                                                 HALF, half_layout, ROTATE & ROTATE_Q)
-                _store_gradient(dq, q.slice(c * HALF, HALF, dim=1), dq_ptr + start * stride_dqn + head_col + c * HALF,
+                dq_sin, dq_cos, _ = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W,
+                                                 D // 2, part_layout, ROTATE & ROTATE_Q)
+                _store_gradient(dq, q.slice(c * W, W, dim=1), dq_ptr + start * stride_dqn + head_col + c * W,
                                 stride_dqn, length, dq_sin, dq_cos, ROTATE_Q & ROTATE)
         for i in gl.static_range(3):
             mbarrier.invalidate(landed.index(i))
-        dv_halves = (dv0, dv1)
-        dk_halves = (dk0, dk1)
-        for c in gl.static_range(2):
-            half_sin, half_cos, _ = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, HALF, c * HALF,
-                                                 HALF, half_layout, kv_rotate)
-            _store_gradient(dv_halves[c], v.slice(c * HALF, HALF, dim=1),
-                            dv_ptr + start * stride_dvn + kv_head * D + c * HALF, stride_dvn, length, half_sin,
-                            half_cos, ROTATE_V & ROTATE)
-            _store_gradient(dk_halves[c], k.slice(c * HALF, HALF, dim=1),
-                            dk_ptr + start * stride_dkn + kv_head * D + c * HALF, stride_dkn, length, half_sin,
-                            half_cos, ROTATE_K & ROTATE)
+        for c in gl.static_range(PARTS):
+            if c == 0:
+                dv_part, dk_part = dv0, dk0
+            else:
+                dv_part, dk_part = dv1, dk1
+            sin, cos, _ = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
+                                       part_layout, kv_rotate)
+            _store_gradient(dv_part, v.slice(c * W, W, dim=1), dv_ptr + start * stride_dvn + kv_head * D + c * W,
+                            stride_dvn, length, sin, cos, ROTATE_V & ROTATE)
+            _store_gradient(dk_part, k.slice(c * W, W, dim=1), dk_ptr + start * stride_dkn + kv_head * D + c * W,
+                            stride_dkn, length, sin, cos, ROTATE_K & ROTATE)
 
 
 def why_not(call) -> str | None:
     """Why these kernels do not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: they take
     64-token blocks at D = 32, 64 or 128, with or without GQA, 16-bit inputs that TMA can read and gradients laid
     out as ``[N, H * D]`` rows, with or without a rotary, and none of the in-block options (causal, biases,
-    dropout). A rotary under GQA at D = 64 stays with the Triton kernels: 1.70-2.10x the floor there against
-    2.02-2.14x here (H100, `ads` lengths, fp32 angles)."""
+    dropout). A rotary at D = 64 with two query heads per kv head stays with the Triton kernels: 1.69x and 1.76x
+    the floor there against 1.81x and 1.84x here (4:2 and 8:4, H100, `ads` lengths, fp32 angles)."""
     if call.in_block:
         return "takes none of the in-block options (causal, biases, dropout)"
     if call.block_size != _BLOCK_SIZE or call.head_dim not in _HEAD_DIMS:
         return f"takes {_BLOCK_SIZE}-token blocks at D in {_HEAD_DIMS} only"
-    if call.rotate and call.num_heads != call.num_kv_heads and call.head_dim == 64:
-        return "takes no fused rotary under GQA at D = 64 (the Triton kernels are faster there)"
+    if call.rotate and call.head_dim == 64 and call.num_heads == 2 * call.num_kv_heads:
+        return "takes no fused rotary at D = 64 with two query heads per kv head (the Triton kernels are faster)"
     if call.dtype not in _GL_DTYPES:
         return "takes float16 and bfloat16 only"
     if not call.tma_rows:
@@ -372,7 +385,7 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
                              grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[None, None]:
     """Write ``(dq, dk, dv)`` into ``grads``, where :func:`why_not` says nothing against the call (the dispatcher's
     backward signature, ``backends``; ``options`` are then the plain op's, whose biases have no gradient)."""
-    n, h, _ = q.shape
+    n, h, d = q.shape
     kv_heads = k.shape[1]
     dq, dk, dv = grads
     if table.num_slots == 0:
@@ -381,7 +394,11 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     if h == kv_heads:
         kernel, heads = _block_attention_bwd_sm90_kernel, {"NUM_HEADS": h}
     else:
-        kernel, heads = _block_attention_bwd_sm90_gqa_kernel, {"NUM_KV_HEADS": kv_heads, "GROUP": h // kv_heads}
+        # Column halves at D = 128, whole rows below (H100, `ads` lengths, times over the floor: at D = 128 plain
+        # 1.02x either way, with a rotary and fp32 angles 1.80-1.92x against 1.86-2.47x for whole rows; at D = 64
+        # plain 1.06-1.10x against 1.13-1.15x in halves, with a rotary 1.75-1.92x against 2.02-2.14x).
+        kernel = _block_attention_bwd_sm90_gqa_kernel
+        heads = {"NUM_KV_HEADS": kv_heads, "GROUP": h // kv_heads, "PARTS": 2 if d == 128 else 1}
     launch(
         kernel, (table.num_slots * kv_heads,),
         q_desc=_descriptor(q), k_desc=_descriptor(k), v_desc=_descriptor(v), do_desc=_descriptor(grad_out),
