@@ -252,7 +252,7 @@ def test_dispatcher_on_this_gpu():
     for other in [
         (q, k, v, do, (q, k, v), 128, ROTATE_ALL),
         (*(t.float() for t in (q, k, v, do)), (q, k, v), 64, ROTATE_ALL),
-        (q[..., :64], k[..., :64], v[..., :64], do[..., :64], (q, k, v), 64, ROTATE_ALL),
+        (q[..., :64], k[..., :64], v[..., :64], do[..., :64], (q, k, v), 64, ROTATE_ALL),  # D 64 as strided views
         (padded_heads, k, v, do, (q, k, v), 64, ROTATE_ALL),  # heads not side by side: no [N, H * D] descriptor
         (odd_rows, k, v, do, (q, k, v), 64, ROTATE_ALL),  # rows not 16-byte aligned
         (q, k, v, do, (padded_heads, k, v), 64, ROTATE_ALL),
