@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from blockattn import backends, devices
-from blockattn.backends import BACKENDS, AttentionCall, select
+from blockattn.backends import BACKENDS, FLASH_BACKENDS, AttentionCall, FlashCall, select
+from blockattn.ops import flash_attention as flash_ops
 
 
 def call(pass_name="bwd", device="cuda", dtype=torch.bfloat16, heads=(4, 4), head_dim=128, block_size=64, rotate=0,
@@ -104,3 +105,35 @@ def test_call_reads_the_layout_of_its_tensors():
     for tensors, grads in (((padded_heads, q, q, q), (q, q, q)), ((odd_rows, q, q, q), (q, q, q)),
                            ((q, q, q, q), (padded_heads, q, q))):
         assert not AttentionCall.of("bwd", q, q, 64, 0, tensors=tensors, grads=grads).tma_rows
+
+
+def flash_call(variant="auto", dtype=torch.bfloat16, head_dim=128, tma_ready=True, rows_follow=True):
+    return FlashCall("fwd", torch.device("cuda"), dtype, head_dim, variant, tma_ready, True, rows_follow)
+
+
+@pytest.mark.skipif(backends.flash_sm90_ops is None, reason="this triton has no Gluon Hopper API")
+@pytest.mark.parametrize("changes,chosen", [
+    ({}, "warp_specialized-sm90"), ({"variant": "warp_specialized"}, "warp_specialized-sm90"),
+    ({"head_dim": 64}, "warp_specialized-sm90"), ({"head_dim": 256, "dtype": torch.float16}, "warp_specialized-sm90"),
+    ({"variant": "pipelined"}, "pipelined"), ({"head_dim": 40}, "pipelined"),
+    ({"dtype": torch.float8_e4m3fn}, "pipelined"), ({"tma_ready": False}, "pipelined"),
+    # Batches whose rows do not follow each other: Triton's TMA kernel builds a descriptor per sequence.
+    ({"rows_follow": False}, "warp_specialized"),
+])
+def test_hopper_flash_forward_takes_the_gluon_kernel(changes, chosen, gpu_capability, monkeypatch):
+    monkeypatch.setattr(flash_ops, "shared_memory_limit", lambda device: 227 * 1024)
+    gpu_capability((9, 0))
+    assert select(flash_call(**changes), FLASH_BACKENDS).name == chosen
+    gpu_capability((10, 0))  # no wgmma on Blackwell: Triton's kernels
+    assert select(flash_call(), FLASH_BACKENDS).name == "warp_specialized"
+    monkeypatch.setattr(flash_ops, "shared_memory_limit", lambda device: 40 * 1024)
+    gpu_capability((9, 0))  # a GPU whose shared memory holds no 128-row tiles with two slots
+    assert "shared memory" in FLASH_BACKENDS["warp_specialized-sm90"].why_not(flash_call())
+
+
+def test_flash_call_reads_whether_rows_follow():
+    q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
+    assert FlashCall.of(q, q, q, "auto").rows_follow
+    assert FlashCall.of(q.flatten(0, 1), q.flatten(0, 1), q.flatten(0, 1), "auto").rows_follow
+    assert not FlashCall.of(q[:, :100], q, q, "auto").rows_follow
+    assert FlashCall.of(q[:1, :100], q, q, "auto").rows_follow  # one sequence

@@ -27,6 +27,9 @@ from blockattn.reference import flash_attention_reference, snr_db
 from blockattn.reference import quantised_fp8 as quantised
 
 VARIANTS = ["pipelined", "warp_specialized"]
+# Every kernel backend, and the variant that asks for it (the Gluon kernel: the warp-specialised one on Hopper).
+KERNELS = {"pipelined": "pipelined", "warp_specialized": "warp_specialized",
+           "warp_specialized-sm90": "warp_specialized"}
 # The interpreter runs small tiles (fast, and several tiles per sequence); a GPU runs the tuned configuration.
 INTERPRETER_CONFIG = flash_ops.FlashConfig(32, 16, 4, 2)
 # What fp8 reaches against the float64 reference on the dequantised inputs (measured on an H100: docs/benchmarks.md).
@@ -48,9 +51,12 @@ def dequantised(t8, descale):
 
 
 def run_variant(variant, q, k, v, cu_q, cu_k, causal, bottom_right, descales=None, out_dtype=None):
-    """``(out, lse)`` of one backend's launcher, bypassing the dispatcher (tuned config on a GPU)."""
-    call = FlashCall.of(q, k, v, variant)
+    """``(out, lse)`` of one kernel backend's launcher (``variant``: its name), bypassing the dispatcher (tuned
+    config on a GPU)."""
+    call = FlashCall.of(q, k, v, KERNELS[variant])
     if variant == "warp_specialized" and (reason := backends.tma_reason(q.shape[-1], q.dtype)):
+        pytest.skip(reason)
+    if variant == "warp_specialized-sm90" and (reason := FLASH_BACKENDS[variant].why_not(call)):
         pytest.skip(reason)
     config = call.with_config(variant).config if HAS_GPU else INTERPRETER_CONFIG
     assert config is not None, call.with_config(variant).config_reason
@@ -92,7 +98,7 @@ def dense_as_packed(q, k, v):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("head_dim", [40, 128])
 def test_kernels_varlen_odd_lengths(variant, causal, bottom_right, head_dim, poisoned_outputs):
@@ -104,7 +110,7 @@ def test_kernels_varlen_odd_lengths(variant, causal, bottom_right, head_dim, poi
     assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, bottom_right)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
 def test_kernels_dense(variant, causal, bottom_right, poisoned_outputs):
     q = torch.randn(2, 37, 2, 128, device=KERNEL_DEVICE, dtype=torch.float16)
@@ -116,18 +122,25 @@ def test_kernels_dense(variant, causal, bottom_right, poisoned_outputs):
                           bottom_right)
 
 
+@pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_kernels_grid_cut_by_max_seqlen(causal, poisoned_outputs):
+def test_kernels_grid_cut_by_max_seqlen(variant, causal, poisoned_outputs):
     """The grid the ``max_seqlen_q`` hint allows (B * ceil(max / BLOCK_M) slots, fewer than the block table's)
     still covers every row."""
-    q, k, v, cu_q, cu_k = packed_inputs([32, 32, 0, 30], [20, 5, 33, 70], 2, 1, 64, torch.float16, KERNEL_DEVICE)
-    cfg = INTERPRETER_CONFIG
+    call = FlashCall.of(*(torch.empty(1, 1, 128, dtype=torch.float16, device=KERNEL_DEVICE) for _ in range(3)),
+                        KERNELS[variant])
+    cfg = call.with_config(variant).config if HAS_GPU else INTERPRETER_CONFIG
+    unit = cfg.block_m // 32  # lengths in units of the tile, as on the interpreter's 32-row tiles
+    q, k, v, cu_q, cu_k = packed_inputs([32 * unit, 32 * unit, 0, 30 * unit], [20, 5, 33, 70 * unit], 2, 1, 128,
+                                        torch.float16, KERNEL_DEVICE)
     table = build_block_table(cu_q, q.shape[0], cfg.block_m)
-    slots = 4 * -(-32 // cfg.block_m)
+    slots = 4 * -(-32 * unit // cfg.block_m)
     assert slots < table.num_slots
     table = type(table)(table.block_cum, table.block_seq[:slots])
-    out, lse = FLASH_BACKENDS["pipelined"].forward(q, k, v, cu_q, cu_k, table, 0.125, causal, False, q.dtype, None,
-                                                   cfg)
+    if variant == "warp_specialized-sm90" and (reason := FLASH_BACKENDS[variant].why_not(call)):
+        pytest.skip(reason)
+    out, lse = FLASH_BACKENDS[variant].forward(q, k, v, cu_q, cu_k, table, 128**-0.5, causal, False, q.dtype, None,
+                                               cfg)
     assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, False)
 
 
@@ -135,7 +148,7 @@ GPU_SHAPES = [(1, 1, 1), (2, 17, 17), (4, 128, 128), (1, 257, 257), (2, 512, 102
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -152,7 +165,7 @@ def test_gpu_dense(variant, dtype, causal, bottom_right, head_dim, batch, seqlen
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [16, 24, 40, 80, 96, 192, 256])
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
@@ -167,7 +180,7 @@ def test_gpu_varlen_head_dims(variant, dtype, head_dim, causal, bottom_right, po
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -333,7 +346,7 @@ def test_gpu_cuda_graph_new_lengths(variant):
 def test_gpu_auto_picks_a_kernel():
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
     call = FlashCall.of(q, q, q, "auto")
-    assert backends.select(call, FLASH_BACKENDS).name in VARIANTS
+    assert backends.select(call, FLASH_BACKENDS).name in KERNELS
 
 
 def test_fp8_refused_without_fp8_tensor_cores(monkeypatch):

@@ -35,8 +35,9 @@ from .ops import flash_attention_torch as flash_torch_ops
 
 try:
     from .ops import block_attention_sm90 as sm90_ops
+    from .ops import flash_attention_sm90 as flash_sm90_ops
 except ImportError as error:  # a triton without Gluon's Hopper API (before 3.6): the Triton kernels serve Hopper
-    sm90_ops = None
+    sm90_ops = flash_sm90_ops = None
     _SM90_MISSING = f"needs triton >= 3.6 (Gluon's Hopper API): {error}"
 
 PASSES = ("fwd", "bwd")
@@ -97,12 +98,17 @@ def _triton_why_not(call: AttentionCall) -> str | None:
     return None
 
 
-def _sm90_why_not(call: AttentionCall) -> str | None:
+def _hopper_reason(device: torch.device) -> str | None:
+    """Why the Gluon kernels for sm_90 (wgmma: Hopper only) do not run on ``device``, or None."""
     if sm90_ops is None:
         return _SM90_MISSING
-    if devices.kernels_reason(call.device) or devices.capability(call.device)[0] != 9:
+    if devices.kernels_reason(device) or devices.capability(device)[0] != 9:
         return "needs a Hopper GPU (compute capability 9.x)"
-    return sm90_ops.why_not(call)
+    return None
+
+
+def _sm90_why_not(call: AttentionCall) -> str | None:
+    return _hopper_reason(call.device) or sm90_ops.why_not(call)
 
 
 def _torch_why_not(call: AttentionCall) -> str | None:
@@ -190,13 +196,16 @@ class FlashCall:
     variant: str
     tma_ready: bool
     last_dim_contiguous: bool
+    # The rows of q, k, v follow each other across the batch ([B, S, H, D] viewable as [B * S, H, D]).
+    rows_follow: bool = True
     config: flash_ops.FlashConfig | None = None
     config_reason: str | None = None
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str) -> FlashCall:
         return cls("fwd", q.device, q.dtype, q.shape[-1], variant, all(tma_rows_ready(t) for t in (q, k, v)),
-                   all(t.stride(-1) == 1 for t in (q, k, v)))
+                   all(t.stride(-1) == 1 for t in (q, k, v)),
+                   all(t.dim() == 3 or t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in (q, k, v)))
 
     def with_config(self, kernel_variant: str) -> FlashCall:
         """This call with the tuned configuration of ``kernel_variant`` on its device (or why none fits)."""
@@ -221,6 +230,18 @@ def _flash_kernel_why_not(call: FlashCall, kernel_variant: str) -> str | None:
 
 def _flash_pipelined_why_not(call: FlashCall) -> str | None:
     return _flash_kernel_why_not(call, "pipelined") or call.with_config("pipelined").config_reason
+
+
+def _flash_sm90_why_not(call: FlashCall) -> str | None:
+    if reason := _flash_kernel_why_not(call, "warp_specialized") or _hopper_reason(call.device):
+        return reason
+    if reason := flash_sm90_ops.why_not(call.dtype, call.head_dim):
+        return reason
+    if not (call.tma_ready and call.rows_follow):
+        return ("needs q, k, v with heads side by side in a row, 16-byte aligned starts and strides (TMA) and "
+                "rows that follow each other across the batch")
+    configured = call.with_config("warp_specialized-sm90")
+    return configured.config_reason or flash_sm90_ops.config_reason(configured.config)
 
 
 def _flash_tma_why_not(call: FlashCall) -> str | None:
@@ -270,6 +291,12 @@ def _flash_forward(kernel_variant: str) -> Callable:
     return forward
 
 
+def _flash_sm90_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal, bottom_right, out_dtype,
+                        descales, config):
+    return flash_sm90_ops.flash_attention_fwd_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal,
+                                                   bottom_right, out_dtype, config)
+
+
 def _flash_torch_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal, bottom_right, out_dtype,
                          descales, config):
     return flash_torch_ops.flash_attention_fwd_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal,
@@ -280,6 +307,10 @@ def _flash_torch_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, caus
 FLASH_BACKENDS: dict[str, Backend] = {
     backend.name: backend
     for backend in (
+        Backend("warp_specialized-sm90", "Hopper, Gluon: a producer warp fills a two-slot ring by TMA, two consumer "
+                "warpgroups overlap the softmax with their products (16-bit, D = 64, 128 or 256; the "
+                "warp-specialised variant on Hopper)",
+                _flash_sm90_why_not, forward=_flash_sm90_forward),
         Backend("warp_specialized", "Triton, TMA descriptors and a warp-specialised key/value loop (Hopper on)",
                 _flash_tma_why_not, forward=_flash_forward("warp_specialized")),
         Backend("pipelined", "Triton, pointer loads software-pipelined (NVIDIA GPUs from Ampere on)",

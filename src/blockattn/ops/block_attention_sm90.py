@@ -34,17 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-try:
-    from triton.experimental.gluon.language.nvidia.hopper.tma import async_load as tma_load
-except ImportError:  # triton 3.6 names it async_copy_global_to_shared (removed later)
-    from triton.experimental.gluon.language.nvidia.hopper.tma import async_copy_global_to_shared as tma_load
-
-try:
-    _barrier = gl.barrier
-except AttributeError:  # triton 3.6 names it thread_barrier
-    _barrier = gl.thread_barrier
-
 from ..block_table import BlockTable
+from .gluon_sm90 import barrier, tma_load
 from .in_block import InBlock
 from .launch import launch
 from .tiles import (
@@ -307,7 +298,7 @@ def _block_attention_bwd_sm90_gqa_kernel(
                 # Every thread is done with the other buffer (the previous head's products and staging) before
                 # TMA overwrites it.
                 fence_async_shared()
-                _barrier()
+                barrier()
                 _load_head(q_desc, do_desc, row, head_col + D, heads, 1 - buf, landed)
             q = heads.index(2 * buf)
             do = heads.index(2 * buf + 1)

@@ -67,6 +67,9 @@ _CONFIGS = {
     ("pipelined", False): ((128, FlashConfig(128, 64, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
     ("pipelined", True): ((128, FlashConfig(128, 128, 8, 3)), (256, FlashConfig(128, 64, 8, 2))),
     ("warp_specialized", False): ((128, FlashConfig(128, 128, 4, 2)),),
+    # The Gluon kernel (flash_attention_sm90): two consumer warpgroups of 4 warps, two slots; its accumulator takes
+    # 128 registers a thread at D = 256, where a key tile of 64 keeps the scores' to 32.
+    ("warp_specialized-sm90", False): ((128, FlashConfig(128, 128, 4, 2)), (256, FlashConfig(128, 64, 4, 2))),
 }
 # Ampere and Ada (never measured here): 4 warps and 2 stages, for their 100-164 KB of shared memory.
 _CONFIGS_SM8X = ((128, FlashConfig(128, 64, 4, 2)), (256, FlashConfig(64, 64, 4, 2)))
@@ -353,6 +356,36 @@ def _head_strides(*named: tuple[str, torch.Tensor]) -> dict:
     return {f"stride_{prefix}h": t.stride(-2) for prefix, t in named}
 
 
+def outputs_and_sequences(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                          cu_seqlens_k: torch.Tensor | None, table: BlockTable | None, block_m: int,
+                          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
+    """``(out, lse, slots, sequences)``: the outputs, the grid's number of tile slots, and the kernels' arguments
+    that say where each slot's rows are (:func:`_tile_of`; the outputs' batch and row strides). Dense when
+    ``cu_seqlens_q`` is None (``lse [B, H, Sq]``), else packed (``lse [H, N]``; ``table`` of ``cu_seqlens_q`` at
+    ``block_m``)."""
+    hq = q.shape[-2]
+    dense = cu_seqlens_q is None
+    out = tiles.new_output(q, dtype=out_dtype)
+    if dense:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        lse = tiles.new_output(q, (batch, hq, seqlen_q), torch.float32)
+        tiles_per_seq = triton.cdiv(seqlen_q, block_m)
+        slots, num_seqs = batch * tiles_per_seq, batch
+        lse_strides = {"stride_lb": lse.stride(0), "stride_lh": lse.stride(1)}
+        cu_seqlens_q = cu_seqlens_k = block_cum = block_seq = lse  # never read
+    else:
+        seqlen_q = seqlen_k = tiles_per_seq = 0
+        lse = tiles.new_output(q, (hq, q.shape[0]), torch.float32)
+        slots, num_seqs = table.num_slots, cu_seqlens_q.numel() - 1
+        lse_strides = {"stride_lb": 0, "stride_lh": lse.stride(0)}
+        block_cum, block_seq = table
+    return out, lse, slots, dict(
+        cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, block_cum_ptr=block_cum,
+        block_seq_ptr=block_seq, **_batch_strides("o", out, dense), **lse_strides,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, tiles_per_seq=tiles_per_seq, num_seqs=num_seqs,
+        num_q_tokens=q.shape[0], num_k_tokens=k.shape[0])
+
+
 def transposed_values(v: torch.Tensor) -> torch.Tensor:
     """``v`` with tokens innermost, the layout fp8 products need: a view ``[.., tokens, H, D]`` of a ``[.., H, D,
     tokens]`` copy whose rows are padded to 16 bytes (aligned, vectorised loads)."""
@@ -385,35 +418,19 @@ def flash_attention_fwd_triton(
     fp8 = descales is not None
     if fp8:
         v = transposed_values(v)
-    hq, d = q.shape[-2:]
-    out = tiles.new_output(q, dtype=out_dtype)
-    if dense:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        lse = tiles.new_output(q, (batch, hq, seqlen_q), torch.float32)
-        tiles_per_seq = triton.cdiv(seqlen_q, config.block_m)
-        slots, num_seqs = batch * tiles_per_seq, batch
-        lse_strides = {"stride_lb": lse.stride(0), "stride_lh": lse.stride(1)}
-        cu_seqlens_q = cu_seqlens_k = block_cum = block_seq = lse  # never read
-    else:
-        seqlen_q = seqlen_k = tiles_per_seq = 0
-        lse = tiles.new_output(q, (hq, q.shape[0]), torch.float32)
-        slots, num_seqs = table.num_slots, cu_seqlens_q.numel() - 1
-        lse_strides = {"stride_lb": 0, "stride_lh": lse.stride(0)}
-        block_cum, block_seq = table
+    d = q.shape[-1]
+    out, lse, slots, sequences = outputs_and_sequences(q, k, cu_seqlens_q, cu_seqlens_k, table, config.block_m,
+                                                       out_dtype)
     if slots == 0:  # no query row (N or B * Sq is 0)
         return out, lse
     args = dict(
-        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k,
-        block_cum_ptr=block_cum, block_seq_ptr=block_seq,
+        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, **sequences,
         **_batch_strides("q", q, dense), **_batch_strides("k", k, dense), **_batch_strides("v", v, dense),
-        **_batch_strides("o", out, dense), **lse_strides,
-        seqlen_q=seqlen_q, seqlen_k=seqlen_k, tiles_per_seq=tiles_per_seq, num_seqs=num_seqs,
-        num_q_tokens=q.shape[0], num_k_tokens=k.shape[0], qk_scale_log2=scale * LOG2E,
-        HEAD_DIM=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=hq // k.shape[-2],
-        VARLEN=not dense, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps,
+        qk_scale_log2=scale * LOG2E, HEAD_DIM=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        GROUP=q.shape[-2] // k.shape[-2], VARLEN=not dense, CAUSAL=causal, BOTTOM_RIGHT=bottom_right,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
     )
-    grid = (slots, hq)
+    grid = (slots, q.shape[-2])
     if variant == "pipelined":
         q_descale, k_descale, v_descale = descales if fp8 else (q, q, q)  # never read without fp8
         _flash_fwd_kernel[grid](**args, q_descale_ptr=q_descale, k_descale_ptr=k_descale, v_descale_ptr=v_descale,
@@ -421,6 +438,6 @@ def flash_attention_fwd_triton(
                                 BLOCK_D=block_d(d, fp8), FP8=fp8)
     else:
         triton.set_allocator(_allocate_scratch)
-        _flash_fwd_tma_kernel[grid](**args, NUM_Q_HEADS=hq, NUM_KV_HEADS=k.shape[-2],
+        _flash_fwd_tma_kernel[grid](**args, NUM_Q_HEADS=q.shape[-2], NUM_KV_HEADS=k.shape[-2],
                                     WARP_SPECIALIZE=q.device.type == "cuda")
     return out, lse

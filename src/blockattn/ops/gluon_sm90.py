@@ -1,0 +1,16 @@
+"""What the Hopper Gluon kernels import whose name moved between triton releases (3.6 on, the oldest with Gluon's
+Hopper API that the kernels need)."""
+
+from triton.experimental.gluon import language as gl
+
+try:
+    from triton.experimental.gluon.language.nvidia.hopper.tma import async_load as tma_load
+except ImportError:  # triton 3.6 names it async_copy_global_to_shared (removed later)
+    from triton.experimental.gluon.language.nvidia.hopper.tma import async_copy_global_to_shared as tma_load
+
+try:
+    barrier = gl.barrier
+except AttributeError:  # triton 3.6 names it thread_barrier
+    barrier = gl.thread_barrier
+
+__all__ = ["barrier", "tma_load"]
