@@ -19,6 +19,12 @@ def capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessors: the grid of the persistent kernels."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def kernels_reason(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on ``device``, or ``None`` where they can."""
     if device.type != "cuda":
