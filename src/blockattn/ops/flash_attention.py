@@ -16,6 +16,8 @@ Two variants:
   zero-filled on load and dropped on store), and a key/value loop that Triton warp-specialises on Hopper: producer
   warps fill a multi-stage shared-memory ring with TMA, consumer warps compute (Hopper and later; the dispatcher
   sends it 16-bit inputs with D = 128 only, ``backends.TMA_HEAD_DIMS``: other head dims and fp8 failed on triton 3.6).
+  On Hopper the Gluon kernel of ``flash_attention_sm90`` serves this variant first (faster: docs/benchmarks.md);
+  this one takes what it does not (batches whose rows do not follow each other).
 
 fp8 (``float8_e4m3fn``) inputs multiply in fp8 with fp32 accumulation. The descales are read on the device: ``q`` and
 ``k``'s fold into the score scale, ``v``'s multiplies the output. ``P`` is quantised to fp8 for the ``P V`` product
