@@ -182,6 +182,20 @@ def test_gpu_varlen_head_dims(variant, dtype, head_dim, causal, bottom_right, po
 @requires_gpu
 @pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
+def test_gpu_many_work_items(variant, causal, bottom_right, poisoned_outputs):
+    """More (query tile, head) items than a GPU has multiprocessors, padding slots among them: the persistent
+    Gluon kernel runs several items per program, its ring and barriers carried from one to the next."""
+    lengths_q = torch.randint(0, 400, (48,)).tolist()
+    lengths_k = torch.randint(0, 400, (48,)).tolist()
+    lengths_q[:3], lengths_k[:3] = [0, 5, 300], [7, 0, 129]
+    q, k, v, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16, "cuda")
+    out, lse = run_variant(variant, q, k, v, cu_q, cu_k, causal, bottom_right)
+    assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, bottom_right)
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", KERNELS)
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_fp8(variant, causal, bottom_right, head_dim, out_dtype, poisoned_outputs):
