@@ -180,6 +180,20 @@ def test_gpu_varlen_head_dims(variant, dtype, head_dim, causal, bottom_right, po
 
 
 @requires_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_no_key_at_all(causal, poisoned_outputs):
+    """Keys of length 0 in every sequence (no key row at all: the Gluon kernel's descriptors cannot span them):
+    every row gives 0 and a log-sum-exp of -inf."""
+    q, k, v, cu_q, cu_k = packed_inputs([3, 0, 2], [0, 0, 0], 2, 1, 64, torch.bfloat16, "cuda")
+    for variant in ("warp_specialized-sm90", "auto"):
+        if variant == "auto":
+            out, lse = blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True)
+        else:
+            out, lse = run_variant(variant, q, k, v, cu_q, cu_k, causal, False)
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+@requires_gpu
 @pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
 def test_gpu_many_work_items(variant, causal, bottom_right, poisoned_outputs):
