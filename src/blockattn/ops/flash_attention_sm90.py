@@ -42,7 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import devices
 from ..block_table import BlockTable
-from .flash_attention import FlashConfig, _finish, _key_end, _tile_of, outputs_and_sequences
+from .flash_attention import FlashConfig, _finish, _key_end, _tile_of, online_softmax, outputs_and_sequences
 from .gluon_sm90 import tma_load
 from .launch import launch
 from .tiles import LOG2E
@@ -84,13 +84,7 @@ def _softmax_step(s, m_i, l_i, qk_scale_log2, start_n, offs_m, sk, mask_from, sh
         if CAUSAL:
             visible = visible & (kn[None, :] <= offs_m[:, None] + shift)
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so that p and alpha are 0, not NaN.
-    m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, alpha, m_new, l_i
+    return online_softmax(s, m_i, l_i)
 
 
 @gluon.jit
