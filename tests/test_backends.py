@@ -116,7 +116,9 @@ def flash_call(variant="auto", dtype=torch.bfloat16, head_dim=128, tma_ready=Tru
     ({}, "warp_specialized-sm90"), ({"variant": "warp_specialized"}, "warp_specialized-sm90"),
     ({"head_dim": 64}, "warp_specialized-sm90"), ({"head_dim": 256, "dtype": torch.float16}, "warp_specialized-sm90"),
     ({"variant": "pipelined"}, "pipelined"), ({"head_dim": 40}, "pipelined"),
-    ({"dtype": torch.float8_e4m3fn}, "pipelined"), ({"tma_ready": False}, "pipelined"),
+    ({"dtype": torch.float8_e4m3fn}, "warp_specialized-sm90"),
+    ({"dtype": torch.float8_e4m3fn, "variant": "pipelined"}, "pipelined"),
+    ({"dtype": torch.float8_e4m3fn, "head_dim": 40}, "pipelined"), ({"tma_ready": False}, "pipelined"),
     # Batches whose rows do not follow each other: Triton's TMA kernel builds a descriptor per sequence.
     ({"rows_follow": False}, "warp_specialized"),
 ])

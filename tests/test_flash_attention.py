@@ -230,6 +230,69 @@ def test_gpu_fp8(variant, causal, bottom_right, head_dim, out_dtype, poisoned_ou
     assert (lse.double()[finite] - exact_lse[finite]).abs().max().item() < 1e-3 * (1 + exact_lse.abs()[finite].max())
 
 
+@pytest.mark.skipif(backends.flash_sm90_ops is None, reason="this triton has no Gluon Hopper API")
+@pytest.mark.parametrize("lengths", [[13, 0, 700, 1, 31, 16, 17], [0], [33], [0, 0]])
+def test_fp8_values_copy_starts_every_sequence_16_aligned(lengths):
+    """The Gluon kernel's transposed fp8 values: head h's rows h D .. h D + D, sequence s's tokens from column
+    16 (cu[s] // 16 + s) (a multiple of 16, where the producer's TMA boxes start), in order; dense, batch b's rows
+    from (b H + h) D, token s in column s."""
+    _, _, v, _, cu_k = packed_inputs([1] * len(lengths), lengths, 1, 3, 32, torch.float32, "cpu")
+    v = v.to(FP8_DTYPE)
+    vt = backends.flash_sm90_ops._transposed_values(v, cu_k)
+    assert vt.dtype == FP8_DTYPE and vt.shape[0] == 3 * 32 and vt.shape[1] % 16 == 0
+    for s, (start, end) in enumerate(zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        column = 16 * (start // 16 + s)
+        expected = v[start:end].permute(1, 2, 0).flatten(0, 1).view(torch.uint8)
+        assert torch.equal(vt[:, column:column + end - start].view(torch.uint8), expected)
+    dense = torch.randn(2, 21, 3, 32).to(FP8_DTYPE)[:, 2:]
+    vt = backends.flash_sm90_ops._transposed_values(dense, None)
+    assert vt.shape == (2 * 3 * 32, 19)
+    assert torch.equal(vt.view(torch.uint8), dense.permute(0, 2, 3, 1).flatten(0, 2).view(torch.uint8))
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", KERNELS)
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k", [(3, 257, 129), (2, 100, 300), (1, 1, 17)])
+def test_gpu_fp8_dense(variant, causal, bottom_right, head_dim, batch, seqlen_q, seqlen_k, poisoned_outputs):
+    """Dense fp8 batches, Sq != Sk both ways and off the tiles, GQA: each batch's values (the Gluon kernel reads
+    them from the transposed copy, a head's rows per batch) against the reference."""
+    q = torch.randn(batch, seqlen_q, 4, head_dim, device="cuda")
+    k, v = (torch.randn(batch, seqlen_k, 2, head_dim, device="cuda") for _ in range(2))
+    (q8, qs), (k8, ks), (v8, vs) = quantised(q), quantised(k), quantised(v)
+    out, lse = run_variant(variant, q8, k8, v8, None, None, causal, bottom_right, (qs, ks, vs))
+    pq, pk, pv, cu_q, cu_k = dense_as_packed(dequantised(q8, qs), dequantised(k8, ks), dequantised(v8, vs))
+    exact, exact_lse = flash_attention_reference(pq, pk, pv, cu_q, cu_k, causal=causal, bottom_right=bottom_right)
+    assert not out.isnan().any()
+    assert snr_db(out.flatten(0, 1), exact) >= FP8_MIN_SNR_DB
+    assert torch.equal(torch.isinf(lse.transpose(0, 1).flatten(1)), torch.isinf(exact_lse))
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+def test_gpu_nan_in_a_neighbouring_sequence_stays_there(variant, dtype, poisoned_outputs):
+    """Values of one sequence all NaN: the sequences before and after it (whose last key tiles run into its rows)
+    are exact; only its own rows are NaN."""
+    q, k, v, cu_q, cu_k = packed_inputs([70, 40, 200], [100, 50, 130], 4, 2, 128, torch.float32, "cuda")
+    if dtype == FP8_DTYPE:
+        (q, qs), (k, ks), (v, vs) = quantised(q), quantised(k), quantised(v)
+        descales, exact_inputs = (qs, ks, vs), (dequantised(q, qs), dequantised(k, ks), dequantised(v, vs))
+    else:
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        descales, exact_inputs = None, (q.double(), k.double(), v.double())
+    for values in (v, exact_inputs[2]):
+        values[100:150] = torch.full_like(values[100:150], float("nan"), dtype=torch.float32).to(values.dtype)
+    out, _ = run_variant(variant, q, k, v, cu_q, cu_k, False, False, descales)
+    exact, _ = flash_attention_reference(*exact_inputs, cu_q, cu_k)
+    own = torch.zeros(out.shape[0], dtype=torch.bool, device="cuda")
+    own[70:110] = True
+    assert out[own].isnan().all()
+    assert not out[~own].isnan().any()
+    assert snr_db(out[~own], exact[~own]) >= (FP8_MIN_SNR_DB if dtype == FP8_DTYPE else 40)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The public functions: dispatcher, PyTorch path, compile, CUDA graphs
 # --------------------------------------------------------------------------------------------------------------------

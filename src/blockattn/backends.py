@@ -294,7 +294,7 @@ def _flash_forward(kernel_variant: str) -> Callable:
 def _flash_sm90_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal, bottom_right, out_dtype,
                         descales, config):
     return flash_sm90_ops.flash_attention_fwd_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal,
-                                                   bottom_right, out_dtype, config)
+                                                   bottom_right, out_dtype, descales, config)
 
 
 def _flash_torch_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, causal, bottom_right, out_dtype,
@@ -308,7 +308,7 @@ FLASH_BACKENDS: dict[str, Backend] = {
     backend.name: backend
     for backend in (
         Backend("warp_specialized-sm90", "Hopper, Gluon: a producer warp fills a two-slot ring by TMA, two consumer "
-                "warpgroups overlap the softmax with their products (16-bit, D = 64, 128 or 256; the "
+                "warpgroups overlap the softmax with their products (fp16, bf16, fp8; D = 64, 128 or 256; the "
                 "warp-specialised variant on Hopper)",
                 _flash_sm90_why_not, forward=_flash_sm90_forward),
         Backend("warp_specialized", "Triton, TMA descriptors and a warp-specialised key/value loop (Hopper on)",

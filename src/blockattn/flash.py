@@ -25,9 +25,9 @@ _DOC_COMMON = """
             tensors on the inputs' device (read on the device, never on the host); the result is that of the
             dequantised inputs ``q * q_descale`` etc.
         variant: ``"pipelined"`` (pointer loads, software-pipelined; NVIDIA GPUs from Ampere on),
-            ``"warp_specialized"`` (TMA loads by producer warps, consumer warps computing; 16-bit, Hopper on: a
-            Gluon kernel on Hopper, Triton's elsewhere) or ``"auto"`` (the dispatcher's choice, ``python -m
-            blockattn info``). Where the kernels do not run (the CPU, other
+            ``"warp_specialized"`` (TMA loads by producer warps, consumer warps computing; Hopper on: a Gluon
+            kernel on Hopper, fp8 included, Triton's elsewhere, 16-bit) or ``"auto"`` (the dispatcher's choice,
+            ``python -m blockattn info``). Where the kernels do not run (the CPU, other
             devices) a PyTorch path of the same semantics runs, whatever the variant is.
 
     ``D`` is a multiple of 8 in [16, 256]. The kernels take float16, bfloat16 and float8_e4m3fn (fp8 needs fp8

@@ -72,6 +72,7 @@ _CONFIGS = {
     # The Gluon kernel (flash_attention_sm90): two consumer warpgroups of 4 warps, two slots; its accumulator takes
     # 128 registers a thread at D = 256, where a key tile of 64 keeps the scores' to 32.
     ("warp_specialized-sm90", False): ((128, FlashConfig(128, 128, 4, 2)), (256, FlashConfig(128, 64, 4, 2))),
+    ("warp_specialized-sm90", True): ((128, FlashConfig(128, 128, 4, 2)), (256, FlashConfig(128, 64, 4, 2))),
 }
 # Ampere and Ada (never measured here): 4 warps and 2 stages, for their 100-164 KB of shared memory.
 _CONFIGS_SM8X = ((128, FlashConfig(128, 64, 4, 2)), (256, FlashConfig(64, 64, 4, 2)))
@@ -112,9 +113,10 @@ def flash_config(variant: str, capability: tuple[int, int], head_dim: int, fp8: 
 @triton.jit
 def _tile_of(tile, seqlen_q, seqlen_k, tiles_per_seq, cu_q_ptr, cu_k_ptr, block_cum_ptr, block_seq_ptr, num_seqs,
              num_q_tokens, num_k_tokens, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr):
-    """``(batch, q_start, k_start, sq, sk, m0)``: the sequence of grid slot ``tile``, where its queries and keys
-    start (rows of the packed tensors; 0 when dense), their lengths, and the slot's first query row in the
-    sequence. Padding slots of a varlen grid get ``sq = 0`` (and, under ``CAUSAL``, a negative ``m0``)."""
+    """``(seq, q_start, k_start, sq, sk, m0)``: the sequence of grid slot ``tile`` (the batch index when dense), where
+    its queries and keys start (rows of the packed tensors; 0 when dense), their lengths, and the slot's first
+    query row in the sequence. Padding slots of a varlen grid get ``sq = 0`` (and, under ``CAUSAL``, a negative
+    ``m0``). Packed tensors have batch strides 0: ``seq`` times a batch stride is 0 for them."""
     if VARLEN:
         seq = tl.load(block_seq_ptr + tile)
         seq_c = tl.minimum(seq, num_seqs - 1)
@@ -126,7 +128,7 @@ def _tile_of(tile, seqlen_q, seqlen_k, tiles_per_seq, cu_q_ptr, cu_k_ptr, block_
         sk = (k_end - k_start).to(tl.int32)
         nblocks = (sq + BLOCK_M - 1) // BLOCK_M
         m_block = tile - (tl.load(block_cum_ptr + seq_c) - nblocks)
-        batch = 0
+        batch = seq_c
     else:
         batch = tile // tiles_per_seq
         m_block = tile % tiles_per_seq

@@ -10,11 +10,18 @@ A program takes work items, ``BLOCK_M = 128`` query rows of one head, in turn: o
 - two consumer warpgroups, 64 query rows each, overlap the softmax with the tensor cores as FlashAttention-3 does
   within a warpgroup: at tile ``j`` a consumer issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}``
   asynchronously, waits for ``S_j`` alone, runs the online softmax of ``S_j`` while the second product still runs,
-  then waits for it and rescales ``O``. ``P`` stays in registers as the product's first operand (the score
-  accumulator's layout is that operand's layout for 16-bit types: no data moves).
+  then waits for it and rescales ``O``. 16-bit ``P`` stays in registers as the product's first operand (the score
+  accumulator's layout is that operand's layout for 16-bit types: no data moves); fp8 ``P`` goes through shared
+  memory (:func:`_stage_probabilities`).
+
+fp8 (``float8_e4m3fn``) as in the Triton kernels (``flash_attention``): both products in fp8 with fp32
+accumulation, the descales read on the device, ``P`` scaled by ``P_SCALE`` before its rounding to fp8. fp8 tensor
+cores take the second operand K-major, so ``v`` comes from a copy with the tokens innermost
+(:func:`_transposed_values`), ``[D, BLOCK_N]`` tiles.
 
 Consumers are not made to alternate their products (FlashAttention-3's ping-pong): on an H100 that measured no
-faster (docs/benchmarks.md). A multiprocessor holds one program (180 KB of shared memory at D = 128).
+faster (docs/benchmarks.md). A multiprocessor holds one program (180 KB of shared memory at D = 128, 112 KB for
+fp8).
 
 Only the tiles that need it are masked: the one holding the sequence's last key, and under ``CAUSAL`` those crossing
 the diagonal; the others run without a select per score. Key tiles past the diagonal are never visited.
@@ -42,13 +49,23 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import devices
 from ..block_table import BlockTable
-from .flash_attention import FlashConfig, _finish, _key_end, _tile_of, online_softmax, outputs_and_sequences
+from .flash_attention import (
+    P_SCALE,
+    FlashConfig,
+    _descaled,
+    _finish,
+    _key_end,
+    _tile_of,
+    online_softmax,
+    outputs_and_sequences,
+    transposed_values,
+)
 from .gluon_sm90 import tma_load
 from .launch import launch
 from .tiles import LOG2E
 
 HEAD_DIMS = (64, 128, 256)
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
 _NUM_WARPS = 4  # a consumer warpgroup; another and a producer warp are the kernel's workers
 _CONSUMER_REGS = gl.constexpr(240)
 _PRODUCER_REGS = gl.constexpr(24)
@@ -110,26 +127,95 @@ def _program_tile(t, num_slots, cu_q_ptr, cu_k_ptr, block_cum_ptr, block_seq_ptr
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr, block_cum_ptr,
-              block_seq_ptr, stride_ob, stride_on, stride_oh, stride_lb, stride_lh, seqlen_q, seqlen_k,
-              tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, VARLEN: gl.constexpr,
-              CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HALF: gl.constexpr):
+def _stage_probabilities(p32, p, p_buf):
+    """One tile's probabilities as the ``P V`` product's first operand, ``p``'s type: 16-bit ones in registers (the
+    score accumulator's layout is the operand's: no data moves), fp8 ones stored to ``p_buf``. An fp8 operand in
+    registers needs a shuffle of its bytes across threads, and Triton's wait on the product cannot hold 8-bit
+    registers: on an H100 the registers' route ran 0.85x as fast at D = 128, S = 16384."""
+    if p.dtype.primitive_bitwidth == 8:
+        p_buf.store(p32.to(p.dtype))
+        fence_async_shared()
+    else:
+        p = gl.convert_layout(p32.to(p.dtype), p.type.layout)
+    return p
+
+
+@gluon.jit
+def _probabilities(p, p_buf):
+    """The ``P V`` product's first operand that :func:`_stage_probabilities` left."""
+    if p.dtype.primitive_bitwidth == 8:
+        p = p_buf
+    return p
+
+
+@gluon.jit
+def _wait_values_product(acc, p):
+    """Wait for ``acc += P V``; 16-bit ``p`` is tied to the wait, so that its registers hold until the product has
+    read them."""
+    if p.dtype.primitive_bitwidth == 8:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    else:
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+    return acc, p
+
+
+@gluon.jit
+def _values(v_tile, TRANSPOSED: gl.constexpr):
+    """A value tile as the ``P V`` product's ``[BLOCK_N, D]`` operand."""
+    if TRANSPOSED:
+        v_tile = v_tile.permute((1, 0))
+    return v_tile
+
+
+@gluon.jit
+def _zero_values_past(v_tile, start_n, sk, HALF: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """Zero this consumer's half of a value tile (``[BLOCK_N, D]``, or ``[D, BLOCK_N]`` when ``TRANSPOSED``) at the
+    keys from ``sk`` on."""
+    if TRANSPOSED:
+        D: gl.constexpr = v_tile.shape[0]
+        BLOCK_N: gl.constexpr = v_tile.shape[1]
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_N, BLOCK_N // 16], [4, 1], [1, 0])
+        half = v_tile.slice(HALF * (D // 2), D // 2, dim=0)
+        values = half.load(layout)
+        kn = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        half.store(gl.where((kn < sk)[None, :], values, gl.zeros_like(values)))
+    else:
+        BLOCK_N: gl.constexpr = v_tile.shape[0]
+        D: gl.constexpr = v_tile.shape[1]
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+        half = v_tile.slice(HALF * (BLOCK_N // 2), BLOCK_N // 2, dim=0)
+        values = half.load(layout)
+        kn = start_n + HALF * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, layout))
+        half.store(gl.where((kn < sk)[:, None], values, gl.zeros_like(values)))
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr,
+              block_cum_ptr, block_seq_ptr, stride_ob, stride_on, stride_oh, stride_lb, stride_lh, seqlen_q, seqlen_k,
+              tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, q_descale_ptr, k_descale_ptr,
+              v_descale_ptr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+              FP8: gl.constexpr, HALF: gl.constexpr):
     """One consumer warpgroup: query rows ``[64 HALF, 64 HALF + 64)`` of each work item's tile, through every key
     tile the producer lands; releases each slot (one arrival of two) as soon as its product is done, and q's tile
-    after the item's last ``Q K^T``."""
+    after the item's last ``Q K^T``. fp8 value tiles are ``[D, BLOCK_N]`` (K-major, as fp8 products take them)."""
     ROWS: gl.constexpr = q_smem.shape[0] // 2
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[1]
     dtype: gl.constexpr = q_smem.dtype
+    # An instruction's reduction depth is 32 bytes; a register operand packs 4 bytes a thread along it.
+    depth: gl.constexpr = 256 // dtype.primitive_bitwidth
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, depth])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, D, depth])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=depth // 8)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    # Whole rows, 8 elements a thread: the last value tile's masking and the output's stores.
+    # Whole rows, 8 elements a thread: the output's stores.
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+    p_scale: gl.constexpr = P_SCALE if FP8 else 1.0
+    qk_scale_log2 = _descaled(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
     q = q_smem.slice(HALF * ROWS, ROWS, dim=0)
+    p_buf = p_smem.index(HALF)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     # Counts over this program's items, which set the barriers' phases: key/value tiles, q tiles, fixed tiles.
     done = 0
@@ -153,7 +239,7 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_ptr, lse_ptr, num_slots, num_items
             mbarrier.arrive(bars.index(_Q_EMPTY), pred=num_tiles == 1)
             p32, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2, 0, offs_m, sk, mask_from, shift,
                                                  s_layout, CAUSAL)
-            p = gl.convert_layout(p32.to(dtype), p_layout)
+            p = _stage_probabilities(p32 * p_scale, p, p_buf)
         for j in range(1, num_tiles):
             g = done + j
             slot = g % 2
@@ -161,40 +247,38 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_ptr, lse_ptr, num_slots, num_items
             mbarrier.wait(bars.index(_K_READY + slot), (g // 2) & 1)
             s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(bars.index(_V_READY + prev), ((g - 1) // 2) & 1)
-            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            acc = warpgroup_mma(_probabilities(p, p_buf), _values(v_smem.index(prev), FP8), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
             mbarrier.arrive(bars.index(_K_EMPTY + slot))
             mbarrier.arrive(bars.index(_Q_EMPTY), pred=j == num_tiles - 1)
             p32, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2, j * BLOCK_N, offs_m, sk, mask_from,
                                                  shift, s_layout, CAUSAL)
-            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+            acc, p = _wait_values_product(acc, p)
             mbarrier.arrive(bars.index(_V_EMPTY + prev))
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p = gl.convert_layout(p32.to(dtype), p_layout)
+            p = _stage_probabilities(p32 * p_scale, p, p_buf)
         if num_tiles > 0:
             last = num_tiles - 1
             g = done + last
             v_last = v_smem.index(g % 2)
             mbarrier.wait(bars.index(_V_READY + g % 2), (g // 2) & 1)
             if last * BLOCK_N + BLOCK_N > sk:
-                # The rows past the sequence's last key are the next sequence's (or TMA's zeros): P is 0 there,
-                # but 0 * NaN is not. Each consumer zeroes half the rows, then waits for the other's half.
-                half = v_last.slice(HALF * (BLOCK_N // 2), BLOCK_N // 2, dim=0)
-                values = half.load(rows_layout)
-                kn = last * BLOCK_N + HALF * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2,
-                                                                          layout=gl.SliceLayout(1, rows_layout))
-                half.store(gl.where((kn < sk)[:, None], values, gl.zeros_like(values)))
+                # The values past the sequence's last key are the next sequence's (or padding, or TMA's zeros): P
+                # is 0 there, but 0 * NaN is not. Each consumer zeroes half the tile, then waits for the other's.
+                _zero_values_past(v_last, last * BLOCK_N, sk, HALF, FP8)
                 fence_async_shared()
                 mbarrier.arrive(bars.index(_V_FIXED))
                 mbarrier.wait(bars.index(_V_FIXED), fixes & 1)
                 fixes += 1
-            acc = warpgroup_mma(p, v_last, acc, is_async=True)
-            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+            acc = warpgroup_mma(_probabilities(p, p_buf), _values(v_last, FP8), acc, is_async=True)
+            acc, p = _wait_values_product(acc, p)
             mbarrier.arrive(bars.index(_V_EMPTY + g % 2))
             done += num_tiles
             q_loads += 1
         out, lse = _finish(acc, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
                            gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
+        if FP8:
+            out = out * (gl.load(v_descale_ptr) / P_SCALE)
         # 16 bytes a thread or more per store (the compiler stages the accumulator through shared memory).
         out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), rows_layout)
         rows = HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
@@ -210,10 +294,12 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_ptr, lse_ptr, num_slots, num_items
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, num_slots, num_items, cu_q_ptr, cu_k_ptr,
               block_cum_ptr, block_seq_ptr, seqlen_q, seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens,
-              GROUP: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
+              num_kv_heads, GROUP: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr,
+              BOTTOM_RIGHT: gl.constexpr, FP8: gl.constexpr):
     """One warp: each work item's q tile once the consumers are done with the last one, then its key and value
     tiles, each into its slot once both consumers released it. The ring runs on across items, so the next item's
-    first tiles land while the consumers finish the last."""
+    first tiles land while the consumers finish the last. fp8 values come from their transposed copy
+    (:func:`_transposed_values`), a ``[D, BLOCK_N]`` tile at a time."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[1]
@@ -225,6 +311,16 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, num_slots, n
             num_seqs, num_q_tokens, num_k_tokens, BLOCK_M, BLOCK_N, VARLEN, CAUSAL, BOTTOM_RIGHT)
         k_row = (batch * seqlen_k + k_start).to(gl.int32)
         kv_col = (head // GROUP) * D
+        if FP8:
+            if VARLEN:
+                v_row = (head // GROUP) * D
+                v_col = ((k_start // 16 + batch) * 16).to(gl.int32)
+            else:
+                v_row = (batch * num_kv_heads + head // GROUP) * D
+                v_col = 0
+        else:
+            v_row = k_row
+            v_col = kv_col
         if num_tiles > 0:
             # A fresh barrier counts as completed in the phase before its first: the first wait returns at once.
             mbarrier.wait(bars.index(_Q_EMPTY), (q_loads & 1) ^ 1)
@@ -238,16 +334,21 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, num_slots, n
             mbarrier.wait(bars.index(_K_EMPTY + slot), free)
             _issue(k_desc, k_row + j * BLOCK_N, kv_col, bars.index(_K_READY + slot), k_smem.index(slot), True)
             mbarrier.wait(bars.index(_V_EMPTY + slot), free)
-            _issue(v_desc, k_row + j * BLOCK_N, kv_col, bars.index(_V_READY + slot), v_smem.index(slot), True)
+            if FP8:
+                _issue(v_desc, v_row, v_col + j * BLOCK_N, bars.index(_V_READY + slot), v_smem.index(slot), True)
+            else:
+                _issue(v_desc, v_row + j * BLOCK_N, v_col, bars.index(_V_READY + slot), v_smem.index(slot), True)
         done += num_tiles
 
 
 @gluon.jit
 def _flash_fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, block_cum_ptr, block_seq_ptr,
+    q_descale_ptr, k_descale_ptr, v_descale_ptr,
     stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, num_slots, num_items,
-    GROUP: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    seqlen_q, seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, num_kv_heads, qk_scale_log2, num_slots,
+    num_items, GROUP: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    FP8: gl.constexpr,
 ):
     # Each program takes work items (query tile, head) in turn: the grid is the launcher's choice.
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -256,30 +357,38 @@ def _flash_fwd_sm90_kernel(
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, v_desc.block_type.shape[0], v_desc.block_type.shape[1]],
+                                       v_desc.layout)
+    if FP8:  # each consumer's P (BLOCK_N bytes a row)
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, BLOCK_N],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N, element_bitwidth=8,
+                                                                rank=2))
+    else:  # unused: 16-bit P stays in registers
+        p_smem = gl.allocate_shared_memory(dtype, [2, 8, 8], gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                                                   element_bitwidth=16, rank=2))
     bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(_NUM_BARRIERS):
         # Both consumer warpgroups arrive on the releases and on the fixed value tile.
         mbarrier.init(bars.index(i), count=2 if i >= _K_EMPTY else 1)
     gl.warp_specialize(
-        [(_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr,
+        [(_consumer, (q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr,
                       block_cum_ptr, block_seq_ptr, stride_ob, stride_on, stride_oh, stride_lb, stride_lh, seqlen_q,
-                      seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, VARLEN, CAUSAL,
-                      BOTTOM_RIGHT, 0)),
-         (_consumer, (q_smem, k_smem, v_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr,
+                      seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, q_descale_ptr,
+                      k_descale_ptr, v_descale_ptr, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8, 0)),
+         (_consumer, (q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr,
                       block_cum_ptr, block_seq_ptr, stride_ob, stride_on, stride_oh, stride_lb, stride_lh, seqlen_q,
-                      seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, VARLEN, CAUSAL,
-                      BOTTOM_RIGHT, 1)),
+                      seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, q_descale_ptr,
+                      k_descale_ptr, v_descale_ptr, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8, 1)),
          (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, num_slots, num_items, cu_q_ptr, cu_k_ptr,
                       block_cum_ptr, block_seq_ptr, seqlen_q, seqlen_k, tiles_per_seq, num_seqs, num_q_tokens,
-                      num_k_tokens, GROUP, VARLEN, CAUSAL, BOTTOM_RIGHT))],
+                      num_k_tokens, num_kv_heads, GROUP, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8))],
         [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 def why_not(dtype: torch.dtype, head_dim: int) -> str | None:
     """Why the kernel does not take flash inputs of ``dtype`` and ``head_dim`` on a Hopper GPU, or ``None``."""
     if dtype not in _GL_DTYPES:
-        return "takes float16 and bfloat16 only"
+        return "takes float16, bfloat16 and float8_e4m3fn only"
     if head_dim not in HEAD_DIMS:
         return f"takes head dims {HEAD_DIMS}, not {head_dim}"
     return None
@@ -305,12 +414,42 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, [n, h * d], [t.stride(-3), 1], [rows, d], _tile_layout(rows, d, t.dtype))
 
 
+def _transposed_values(v: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
+    """fp8 values as the ``P V`` product's K-major operand: ``[rows, columns]``, a head's ``D`` rows with tokens
+    along the columns, where every sequence starts at a multiple of 16 columns (a TMA box must start 16-byte
+    aligned: an fp8 tile at any other column is an illegal instruction on an H100). Dense: batch ``b``, kv head
+    ``h`` at rows ``(b Hkv + h) D``, its tokens from column 0. Packed: kv head ``h`` at rows ``h D``, sequence
+    ``s`` from column ``16 (cu[s] // 16 + s)`` (the producer's), which leaves room for every sequence's rounding.
+    Columns between sequences are never written: the consumers zero a tile's columns past its sequence."""
+    if cu_seqlens_k is None:
+        return transposed_values(v).movedim(-3, -1).flatten(0, -2)
+    tokens, heads, d = v.shape
+    num_seqs = cu_seqlens_k.numel() - 1
+    width = 16 * (tokens // 16 + num_seqs + 1)
+    token = torch.arange(tokens, device=v.device, dtype=cu_seqlens_k.dtype)
+    seq = torch.searchsorted(cu_seqlens_k[1:], token, right=True)
+    # Clamped: cumulative lengths unchecked on the host must not send a token out of the copy.
+    column = (token + 16 * seq - cu_seqlens_k[seq] % 16).clamp_(0, width - 1)
+    vt = torch.empty(heads, d, width, dtype=torch.uint8, device=v.device)
+    vt[:, :, column] = v.view(torch.uint8).permute(1, 2, 0)  # indexing takes no fp8
+    return vt.view(v.dtype).flatten(0, 1)
+
+
+def _values_descriptor(v: torch.Tensor, cu_seqlens_k: torch.Tensor | None, columns: int) -> TensorDescriptor:
+    """Over :func:`_transposed_values`' ``[rows, columns]`` of fp8 ``v``: tiles of one head's ``D`` rows and
+    ``columns`` tokens; columns past the copy's read as zeros."""
+    vt = _transposed_values(v, cu_seqlens_k)
+    d = v.shape[-1]
+    return TensorDescriptor(vt, list(vt.shape), [vt.stride(0), 1], [d, columns], _tile_layout(d, columns, vt.dtype))
+
+
 def flash_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
                              cu_seqlens_k: torch.Tensor | None, table: BlockTable | None, scale: float, causal: bool,
-                             bottom_right: bool, out_dtype: torch.dtype, cfg: FlashConfig
+                             bottom_right: bool, out_dtype: torch.dtype,
+                             descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, cfg: FlashConfig
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` as ``flash_attention.flash_attention_fwd_triton`` returns them, for 16-bit inputs that
-    :func:`why_not` takes and whose rows TMA can read (``backends.tma_rows_ready``)."""
+    """``(out, lse)`` as ``flash_attention.flash_attention_fwd_triton`` returns them, for inputs that :func:`why_not`
+    takes and whose rows TMA can read (``backends.tma_rows_ready``); ``descales`` for fp8 inputs."""
     out, lse, slots, sequences = outputs_and_sequences(q, k, cu_seqlens_q, cu_seqlens_k, table, cfg.block_m,
                                                        out_dtype)
     if slots == 0:  # no query row
@@ -322,12 +461,16 @@ def flash_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     # item's first tiles land while the last one finishes). Causal items differ in length, and a program per item
     # lets the GPU's scheduler balance them: persistent, causal ran 0.70-0.89x as fast at S >= 8192.
     programs = num_items if causal else min(num_items, devices.multiprocessors(q.device))
+    fp8 = descales is not None
+    q_descale, k_descale, v_descale = descales if fp8 else (lse, lse, lse)  # never read without fp8
     launch(
         _flash_fwd_sm90_kernel, (programs,),
-        q_desc=_descriptor(q, cfg.block_m), k_desc=_descriptor(k, cfg.block_n), v_desc=_descriptor(v, cfg.block_n),
-        o_ptr=out, lse_ptr=lse, **sequences, stride_oh=out.stride(-2), qk_scale_log2=scale * LOG2E,
+        q_desc=_descriptor(q, cfg.block_m), k_desc=_descriptor(k, cfg.block_n),
+        v_desc=_values_descriptor(v, cu_seqlens_k, cfg.block_n) if fp8 else _descriptor(v, cfg.block_n),
+        o_ptr=out, lse_ptr=lse, **sequences, q_descale_ptr=q_descale, k_descale_ptr=k_descale,
+        v_descale_ptr=v_descale, stride_oh=out.stride(-2), num_kv_heads=k.shape[-2], qk_scale_log2=scale * LOG2E,
         num_slots=slots, num_items=num_items,
         GROUP=q.shape[-2] // k.shape[-2], VARLEN=cu_seqlens_q is not None, CAUSAL=causal, BOTTOM_RIGHT=bottom_right,
-        num_warps=_NUM_WARPS,
+        FP8=fp8, num_warps=_NUM_WARPS,
     )
     return out, lse
