@@ -153,14 +153,15 @@ def _key_end(m0, sq, sk, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIG
 
 
 @triton.jit
-def online_softmax(scores, m_i, l_i):
-    """``(p, alpha, m, l)``: one key tile's ``scores`` (scaled to base 2, ``-inf`` where masked) folded into the
-    running row max ``m_i`` and sum ``l_i``; ``alpha`` rescales what was accumulated before. (Also called from the
-    Gluon kernel: layout-free.)"""
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+def online_softmax(scores, m_i, l_i, scale, p_shift):
+    """``(p, alpha, m, l)``: one key tile's ``scores`` (``-inf`` where masked) times ``scale`` (positive; base 2)
+    folded into the running row max ``m_i`` and sum ``l_i``; ``alpha`` rescales what was accumulated before. ``p``
+    and the sum come out ``2^p_shift`` times the probabilities. Scaling inside the exponent makes it one fused
+    multiply-add per score. (Also called from the Gluon kernel: layout-free.)"""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale)
     # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so that p and alpha are 0, not NaN.
     m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    p = tl.exp2(scores * scale - (m_new - p_shift)[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
@@ -168,7 +169,7 @@ def online_softmax(scores, m_i, l_i):
 @triton.jit
 def _online_softmax_step(acc, m_i, l_i, scores, v, FP8: tl.constexpr):
     """Fold one key tile's ``scores`` (scaled to base 2, ``-inf`` where masked) and values into the running state."""
-    p, alpha, m_new, l_i = online_softmax(scores, m_i, l_i)
+    p, alpha, m_new, l_i = online_softmax(scores, m_i, l_i, 1.0, 0.0)
     acc = acc * alpha[:, None]
     if FP8:
         acc = tl.dot((p * P_SCALE).to(v.dtype), v, acc)

@@ -15,9 +15,14 @@ A program takes work items, ``BLOCK_M = 128`` query rows of one head, in turn: o
   memory (:func:`_stage_probabilities`).
 
 fp8 (``float8_e4m3fn``) as in the Triton kernels (``flash_attention``): both products in fp8 with fp32
-accumulation, the descales read on the device, ``P`` scaled by ``P_SCALE`` before its rounding to fp8. fp8 tensor
-cores take the second operand K-major, so ``v`` comes from a copy with the tokens innermost
-(:func:`_transposed_values`), ``[D, BLOCK_N]`` tiles.
+accumulation, the descales read on the device, ``P`` scaled by ``P_SCALE = 2^8`` before its rounding to fp8 (here
+inside the exponent: the row sums carry the same factor, which cancels). fp8 tensor cores take the second operand
+K-major, so ``v`` comes from a copy with the tokens innermost (:func:`_transposed_values`), ``[D, BLOCK_N]`` tiles.
+
+The score scale goes inside the exponent (``exp2(s * scale - m)``, one fused multiply-add per score; the row max is
+taken before scaling), which a positive scale allows; a zero or negative one (a descale of 0) scales the tile first,
+as the Triton kernels do. On an H100 that ran 2-18% faster than scaling first at D = 64 and 128, and bf16 3% slower
+at D = 256, where the branch adds spills (docs/benchmarks.md).
 
 Consumers are not made to alternate their products (FlashAttention-3's ping-pong): on an H100 that measured no
 faster (docs/benchmarks.md). A multiprocessor holds one program (180 KB of shared memory at D = 128, 112 KB for
@@ -50,7 +55,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .. import devices
 from ..block_table import BlockTable
 from .flash_attention import (
-    P_SCALE,
     FlashConfig,
     _descaled,
     _finish,
@@ -90,18 +94,22 @@ def _issue(desc, row, col, bar, dest, pred):
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale_log2, start_n, offs_m, sk, mask_from, shift,
-                  s_layout: gl.constexpr, CAUSAL: gl.constexpr):
-    """Scale one score tile to base 2, mask it where it needs a mask, and fold it into the running max and sum;
-    returns ``(p, alpha, m, l)`` with ``alpha`` the factor that rescales what was accumulated before."""
+                  s_layout: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr):
+    """Mask one score tile where it needs a mask and fold it, scaled to base 2, into the running max and sum;
+    returns ``(p, alpha, m, l)`` with ``alpha`` the factor that rescales what was accumulated before, ``p`` and ``l``
+    ``2^P_SHIFT`` times the probabilities and their sums."""
     BLOCK_N: gl.constexpr = s.shape[1]
-    s = s * qk_scale_log2
+    scale = qk_scale_log2
+    if not (qk_scale_log2 > 0):  # masked scores times 0 or a negative scale are not -inf: scale first
+        s = s * qk_scale_log2
+        scale = 1.0
     if start_n + BLOCK_N > mask_from:  # the sequence's last key tile, or one crossing the diagonal
         kn = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = (kn < sk)[None, :]
         if CAUSAL:
             visible = visible & (kn[None, :] <= offs_m[:, None] + shift)
         s = gl.where(visible, s, float("-inf"))
-    return online_softmax(s, m_i, l_i)
+    return online_softmax(s, m_i, l_i, scale, P_SHIFT)
 
 
 @gluon.jit
@@ -212,7 +220,8 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, n
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # Whole rows, 8 elements a thread: the output's stores.
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
-    p_scale: gl.constexpr = P_SCALE if FP8 else 1.0
+    # fp8 P comes out of the exponent times P_SCALE = 2^8 (and the row sums with it).
+    p_shift: gl.constexpr = 8.0 if FP8 else 0.0
     qk_scale_log2 = _descaled(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
     q = q_smem.slice(HALF * ROWS, ROWS, dim=0)
     p_buf = p_smem.index(HALF)
@@ -238,8 +247,8 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, n
             mbarrier.arrive(bars.index(_K_EMPTY + done % 2))
             mbarrier.arrive(bars.index(_Q_EMPTY), pred=num_tiles == 1)
             p32, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2, 0, offs_m, sk, mask_from, shift,
-                                                 s_layout, CAUSAL)
-            p = _stage_probabilities(p32 * p_scale, p, p_buf)
+                                                 s_layout, CAUSAL, p_shift)
+            p = _stage_probabilities(p32, p, p_buf)
         for j in range(1, num_tiles):
             g = done + j
             slot = g % 2
@@ -252,11 +261,11 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, n
             mbarrier.arrive(bars.index(_K_EMPTY + slot))
             mbarrier.arrive(bars.index(_Q_EMPTY), pred=j == num_tiles - 1)
             p32, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2, j * BLOCK_N, offs_m, sk, mask_from,
-                                                 shift, s_layout, CAUSAL)
+                                                 shift, s_layout, CAUSAL, p_shift)
             acc, p = _wait_values_product(acc, p)
             mbarrier.arrive(bars.index(_V_EMPTY + prev))
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p = _stage_probabilities(p32 * p_scale, p, p_buf)
+            p = _stage_probabilities(p32, p, p_buf)
         if num_tiles > 0:
             last = num_tiles - 1
             g = done + last
@@ -275,10 +284,11 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, n
             mbarrier.arrive(bars.index(_V_EMPTY + g % 2))
             done += num_tiles
             q_loads += 1
-        out, lse = _finish(acc, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
+        # The sum's 2^p_shift cancels the one in acc; lse = m + log2(sum) takes it off.
+        out, lse = _finish(acc, gl.convert_layout(m_i - p_shift, gl.SliceLayout(1, o_layout)),
                            gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
         if FP8:
-            out = out * (gl.load(v_descale_ptr) / P_SCALE)
+            out = out * gl.load(v_descale_ptr)
         # 16 bytes a thread or more per store (the compiler stages the accumulator through shared memory).
         out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), rows_layout)
         rows = HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
