@@ -430,7 +430,8 @@ def _transposed_values(v: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
     aligned: an fp8 tile at any other column is an illegal instruction on an H100). Dense: batch ``b``, kv head
     ``h`` at rows ``(b Hkv + h) D``, its tokens from column 0. Packed: kv head ``h`` at rows ``h D``, sequence
     ``s`` from column ``16 (cu[s] // 16 + s)`` (the producer's), which leaves room for every sequence's rounding.
-    Columns between sequences are never written: the consumers zero a tile's columns past its sequence."""
+    Columns between sequences are never written: the consumers zero a tile's columns past its sequence. The copy
+    holds ``N + 16 (B + 1)`` columns a row at most: with sequences of a few tokens, several times ``v``'s bytes."""
     if cu_seqlens_k is None:
         return transposed_values(v).movedim(-3, -1).flatten(0, -2)
     tokens, heads, d = v.shape
