@@ -59,6 +59,7 @@ from .flash_attention import (
     _descaled,
     _finish,
     _key_end,
+    _key_mask,
     _tile_of,
     online_softmax,
     outputs_and_sequences,
@@ -105,10 +106,7 @@ def _softmax_step(s, m_i, l_i, qk_scale_log2, start_n, offs_m, sk, mask_from, sh
         scale = 1.0
     if start_n + BLOCK_N > mask_from:  # the sequence's last key tile, or one crossing the diagonal
         kn = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = (kn < sk)[None, :]
-        if CAUSAL:
-            visible = visible & (kn[None, :] <= offs_m[:, None] + shift)
-        s = gl.where(visible, s, float("-inf"))
+        s = gl.where(_key_mask(kn, offs_m, sk, shift, CAUSAL), s, float("-inf"))
     return online_softmax(s, m_i, l_i, scale, P_SHIFT)
 
 
