@@ -133,6 +133,28 @@ def test_hopper_flash_forward_takes_the_gluon_kernel(changes, chosen, gpu_capabi
     assert "shared memory" in FLASH_BACKENDS["warp_specialized-sm90"].why_not(flash_call())
 
 
+@pytest.mark.skipif(backends.flash_sm90_ops is None, reason="this triton has no Gluon Hopper API")
+@pytest.mark.parametrize("dtype,head_dim,rows_without_mask", [
+    (torch.float8_e4m3fn, 64, 192), (torch.float8_e4m3fn, 128, 192), (torch.float8_e4m3fn, 256, 128),
+    (torch.bfloat16, 64, 192), (torch.float16, 64, 192), (torch.bfloat16, 128, 128), (torch.bfloat16, 256, 128),
+])
+def test_gluon_flash_forward_takes_a_third_consumer_without_a_causal_mask(dtype, head_dim, rows_without_mask,
+                                                                          gpu_capability, monkeypatch):
+    """192-row tiles (three consumer warpgroups) where they measured faster: no causal mask, fp8 up to D = 128
+    and 16-bit at D = 64. The kernel takes what the table gives; the call carries ``causal`` to it."""
+    monkeypatch.setattr(flash_ops, "shared_memory_limit", lambda device: 227 * 1024)
+    gpu_capability((9, 0))
+    q = torch.empty(1, 8, 2, head_dim, dtype=dtype)
+    for causal, rows in ((False, rows_without_mask), (True, 128)):
+        call = FlashCall.of(q, q, q, "auto", causal)
+        assert call.causal is causal
+        config = call.with_config("warp_specialized-sm90").config
+        assert config.block_m == rows
+        assert backends.flash_sm90_ops.config_reason(config) is None
+    # Other kernels keep their tables with or without the mask.
+    assert FlashCall.of(q, q, q, "auto").with_config("pipelined").config.block_m == 128
+
+
 def test_flash_call_reads_whether_rows_follow():
     q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
     assert FlashCall.of(q, q, q, "auto").rows_follow

@@ -53,7 +53,7 @@ def dequantised(t8, descale):
 def run_variant(variant, q, k, v, cu_q, cu_k, causal, bottom_right, descales=None, out_dtype=None):
     """``(out, lse)`` of one kernel backend's launcher (``variant``: its name), bypassing the dispatcher (tuned
     config on a GPU)."""
-    call = FlashCall.of(q, k, v, KERNELS[variant])
+    call = FlashCall.of(q, k, v, KERNELS[variant], causal)
     if variant == "warp_specialized" and (reason := backends.tma_reason(q.shape[-1], q.dtype)):
         pytest.skip(reason)
     if variant == "warp_specialized-sm90" and (reason := FLASH_BACKENDS[variant].why_not(call)):
@@ -91,6 +91,16 @@ def dense_as_packed(q, k, v):
     cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sq
     cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
     return q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k
+
+
+def assert_fp8_accurate(out, lse, exact, exact_lse):
+    """fp8 against the float64 reference on the dequantised inputs: SNR at least FP8_MIN_SNR_DB, the log-sum-exp to
+    1e-3 (relative to its size) and infinite exactly where the reference's is (packed ``[N, H, D]``, ``[H, N]``)."""
+    assert not out.isnan().any()
+    assert snr_db(out, exact) >= FP8_MIN_SNR_DB
+    assert torch.equal(torch.isinf(lse), torch.isinf(exact_lse))
+    finite = torch.isfinite(exact_lse)
+    assert (lse.double()[finite] - exact_lse[finite]).abs().max().item() < 1e-3 * (1 + exact_lse.abs()[finite].max())
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -196,15 +206,26 @@ def test_gpu_no_key_at_all(causal, poisoned_outputs):
 @requires_gpu
 @pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
-def test_gpu_many_work_items(variant, causal, bottom_right, poisoned_outputs):
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 128), (torch.bfloat16, 64), (FP8_DTYPE, 128)],
+                         ids=["bf16-128", "bf16-64", "fp8-128"])
+def test_gpu_many_work_items(variant, causal, bottom_right, dtype, head_dim, poisoned_outputs):
     """More (query tile, head) items than a GPU has multiprocessors, padding slots among them: the persistent
-    Gluon kernel runs several items per program, its ring and barriers carried from one to the next."""
+    Gluon kernel runs several items per program, its ring and barriers carried from one to the next (with two
+    consumer warpgroups, and with three where the configuration takes 192-row tiles)."""
     lengths_q = torch.randint(0, 400, (48,)).tolist()
     lengths_k = torch.randint(0, 400, (48,)).tolist()
     lengths_q[:3], lengths_k[:3] = [0, 5, 300], [7, 0, 129]
-    q, k, v, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16, "cuda")
-    out, lse = run_variant(variant, q, k, v, cu_q, cu_k, causal, bottom_right)
-    assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, bottom_right)
+    if dtype != FP8_DTYPE:
+        q, k, v, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 8, 2, head_dim, dtype, "cuda")
+        out, lse = run_variant(variant, q, k, v, cu_q, cu_k, causal, bottom_right)
+        assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, bottom_right)
+        return
+    q, k, v, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 8, 2, head_dim, torch.float32, "cuda")
+    (q8, qs), (k8, ks), (v8, vs) = quantised(q), quantised(k), quantised(v)
+    out, lse = run_variant(variant, q8, k8, v8, cu_q, cu_k, causal, bottom_right, (qs, ks, vs))
+    exact, exact_lse = flash_attention_reference(dequantised(q8, qs), dequantised(k8, ks), dequantised(v8, vs),
+                                                 cu_q, cu_k, causal=causal, bottom_right=bottom_right)
+    assert_fp8_accurate(out, lse, exact, exact_lse)
 
 
 @requires_gpu
@@ -221,13 +242,9 @@ def test_gpu_fp8(variant, causal, bottom_right, head_dim, out_dtype, poisoned_ou
     assert out.dtype == out_dtype
     exact, exact_lse = flash_attention_reference(dequantised(q8, qs), dequantised(k8, ks), dequantised(v8, vs),
                                                  cu_q, cu_k, causal=causal, bottom_right=bottom_right)
-    assert not out.isnan().any()
-    snr = snr_db(out, exact)
-    print(f"fp8 {variant} D={head_dim} causal={causal} bottom_right={bottom_right} out={out_dtype}: {snr:.1f} dB")
-    assert snr >= FP8_MIN_SNR_DB
-    assert torch.equal(torch.isinf(lse), torch.isinf(exact_lse))
-    finite = torch.isfinite(exact_lse)
-    assert (lse.double()[finite] - exact_lse[finite]).abs().max().item() < 1e-3 * (1 + exact_lse.abs()[finite].max())
+    print(f"fp8 {variant} D={head_dim} causal={causal} bottom_right={bottom_right} out={out_dtype}: "
+          f"{snr_db(out, exact):.1f} dB")
+    assert_fp8_accurate(out, lse, exact, exact_lse)
 
 
 @pytest.mark.skipif(backends.flash_sm90_ops is None, reason="this triton has no Gluon Hopper API")
@@ -251,6 +268,18 @@ def test_fp8_values_copy_starts_every_sequence_16_aligned(lengths):
 
 
 @requires_gpu
+@pytest.mark.parametrize("shape", [(2, 37, 3, 40), (1, 1, 1, 256), (3, 200, 2, 128), (100, 2, 64), (17, 1, 16)])
+def test_gpu_transposed_values_match_a_copy(shape):
+    """The fp8 values' transposing kernel: ``[.., tokens, H, D]`` to rows of tokens, as PyTorch's copy makes them
+    (head dims off a power of two, one token, packed inputs, a strided ``v``: every other head of a wider one)."""
+    *lead, tokens, heads, d = shape
+    v = torch.randn(*lead, tokens, 2 * heads, d, device="cuda").to(FP8_DTYPE)[..., ::2, :]
+    got = flash_ops.transposed_values(v)
+    assert got.shape == v.shape and got.stride(-3) == 1 and got.stride(-1) % 16 == 0
+    assert torch.equal(got.view(torch.uint8), v.view(torch.uint8))
+
+
+@requires_gpu
 @pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -264,12 +293,7 @@ def test_gpu_fp8_dense(variant, causal, bottom_right, head_dim, batch, seqlen_q,
     out, lse = run_variant(variant, q8, k8, v8, None, None, causal, bottom_right, (qs, ks, vs))
     pq, pk, pv, cu_q, cu_k = dense_as_packed(dequantised(q8, qs), dequantised(k8, ks), dequantised(v8, vs))
     exact, exact_lse = flash_attention_reference(pq, pk, pv, cu_q, cu_k, causal=causal, bottom_right=bottom_right)
-    assert not out.isnan().any()
-    assert snr_db(out.flatten(0, 1), exact) >= FP8_MIN_SNR_DB
-    lse = lse.transpose(0, 1).flatten(1)
-    assert torch.equal(torch.isinf(lse), torch.isinf(exact_lse))
-    finite = torch.isfinite(exact_lse)
-    assert (lse.double()[finite] - exact_lse[finite]).abs().max().item() < 1e-3 * (1 + exact_lse.abs()[finite].max())
+    assert_fp8_accurate(out.flatten(0, 1), lse.transpose(0, 1).flatten(1), exact, exact_lse)
 
 
 @requires_gpu

@@ -198,19 +198,22 @@ class FlashCall:
     last_dim_contiguous: bool
     # The rows of q, k, v follow each other across the batch ([B, S, H, D] viewable as [B * S, H, D]).
     rows_follow: bool = True
+    causal: bool = False
     config: flash_ops.FlashConfig | None = None
     config_reason: str | None = None
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str) -> FlashCall:
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, causal: bool = False) -> FlashCall:
         return cls("fwd", q.device, q.dtype, q.shape[-1], variant, all(tma_rows_ready(t) for t in (q, k, v)),
                    all(t.stride(-1) == 1 for t in (q, k, v)),
-                   all(t.dim() == 3 or t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in (q, k, v)))
+                   all(t.dim() == 3 or t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in (q, k, v)),
+                   causal)
 
     def with_config(self, kernel_variant: str) -> FlashCall:
         """This call with the tuned configuration of ``kernel_variant`` on its device (or why none fits)."""
         cfg, reason = flash_ops.flash_config(kernel_variant, devices.capability(self.device), self.head_dim,
-                                             self.dtype == FP8_DTYPE, flash_ops.shared_memory_limit(self.device))
+                                             self.dtype == FP8_DTYPE, flash_ops.shared_memory_limit(self.device),
+                                             self.causal)
         return FlashCall(**{**self.__dict__, "config": cfg, "config_reason": reason})
 
 
@@ -307,8 +310,8 @@ def _flash_torch_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, table, scale, caus
 FLASH_BACKENDS: dict[str, Backend] = {
     backend.name: backend
     for backend in (
-        Backend("warp_specialized-sm90", "Hopper, Gluon: a producer warp fills a two-slot ring by TMA, two consumer "
-                "warpgroups overlap the softmax with their products (fp16, bf16, fp8; D = 64, 128 or 256; the "
+        Backend("warp_specialized-sm90", "Hopper, Gluon: a producer warp fills a two-slot ring by TMA, two or three "
+                "consumer warpgroups overlap the softmax with their products (fp16, bf16, fp8; D = 64, 128 or 256; the "
                 "warp-specialised variant on Hopper)",
                 _flash_sm90_why_not, forward=_flash_sm90_forward),
         Backend("warp_specialized", "Triton, TMA descriptors and a warp-specialised key/value loop (Hopper on)",

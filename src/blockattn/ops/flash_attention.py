@@ -42,6 +42,7 @@ import triton.language as tl
 
 from ..block_table import BlockTable
 from . import tiles
+from .launch import launch
 from .tiles import LOG2E, column_mask, load_or_zero
 
 P_SCALE = tl.constexpr(256.0)
@@ -74,6 +75,14 @@ _CONFIGS = {
     ("warp_specialized-sm90", False): ((128, FlashConfig(128, 128, 4, 2)), (256, FlashConfig(128, 64, 4, 2))),
     ("warp_specialized-sm90", True): ((128, FlashConfig(128, 128, 4, 2)), (256, FlashConfig(128, 64, 4, 2))),
 }
+# Without a causal mask the Gluon kernel takes a third consumer warpgroup (192-row tiles) where it measured faster on
+# an H100 (docs/benchmarks.md): fp8 at D <= 128 (+10% at D = 128, +25% at D = 64) and 16-bit at D = 64 (+4%). At
+# D = 128 in 16 bits its 160 registers a thread spill too much (0.75x), and causal items of 192 rows lost 3-7%.
+_CONFIGS_NON_CAUSAL = {
+    ("warp_specialized-sm90", False): ((64, FlashConfig(192, 128, 4, 2)), (128, FlashConfig(128, 128, 4, 2)),
+                                       (256, FlashConfig(128, 64, 4, 2))),
+    ("warp_specialized-sm90", True): ((128, FlashConfig(192, 128, 4, 2)), (256, FlashConfig(128, 64, 4, 2))),
+}
 # Ampere and Ada (never measured here): 4 warps and 2 stages, for their 100-164 KB of shared memory.
 _CONFIGS_SM8X = ((128, FlashConfig(128, 64, 4, 2)), (256, FlashConfig(64, 64, 4, 2)))
 
@@ -91,10 +100,15 @@ def shared_memory_limit(device: torch.device) -> int:
 
 @functools.cache  # the dispatcher's check and the launch ask the same question on every call
 def flash_config(variant: str, capability: tuple[int, int], head_dim: int, fp8: bool,
-                 shared_limit: int) -> tuple[FlashConfig | None, str | None]:
+                 shared_limit: int, causal: bool = False) -> tuple[FlashConfig | None, str | None]:
     """The tuned configuration, with stages then key tiles shrunk until it fits ``shared_limit`` bytes of shared
     memory; ``(None, reason)`` when nothing fits."""
-    table = _CONFIGS[(variant, fp8)] if capability[0] >= 9 else _CONFIGS_SM8X
+    if capability[0] < 9:
+        table = _CONFIGS_SM8X
+    elif causal or (variant, fp8) not in _CONFIGS_NON_CAUSAL:
+        table = _CONFIGS[(variant, fp8)]
+    else:
+        table = _CONFIGS_NON_CAUSAL[(variant, fp8)]
     cfg = next(c for limit, c in table if head_dim <= limit)
     width, elem = block_d(head_dim, fp8), 1 if fp8 else 2
     while cfg.shared_bytes(width, elem) > shared_limit:
@@ -399,13 +413,45 @@ def outputs_and_sequences(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.
         num_q_tokens=q.shape[0], num_k_tokens=k.shape[0])
 
 
+@triton.jit
+def _transpose_tokens_kernel(src_ptr, dst_ptr, tokens, padded_tokens, heads, stride_sb, stride_st, stride_sh,
+                             stride_db, stride_dh, stride_dd, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_T: tl.constexpr):
+    """``BLOCK_T`` tokens of one (batch, head) of one-byte values: ``src`` rows ``[token, D]`` (D innermost) to
+    ``dst`` rows ``[D, token]``, zeros in the columns from ``tokens`` to ``padded_tokens`` (a multiple of 16). Both
+    sides move 16 bytes a thread (a store mask in runs of 16 allows it); the tile turns through shared memory. One
+    grid axis (the others hold 65 535 programs at most): the (batch, head) pairs of a token block in turn."""
+    pairs = tl.num_programs(0) // tl.cdiv(tokens, BLOCK_T)
+    bh = tl.program_id(0) % pairs
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    t = (tl.program_id(0) // pairs) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(src_ptr + b * stride_sb + t.to(tl.int64)[:, None] * stride_st + h * stride_sh + d[None, :],
+                mask=(t < tokens)[:, None] & (d < D)[None, :], other=0)
+    tl.store(dst_ptr + b * stride_db + h * stride_dh + d.to(tl.int64)[:, None] * stride_dd + t[None, :], tl.trans(x),
+             mask=(d < D)[:, None] & (t < padded_tokens)[None, :])
+
+
 def transposed_values(v: torch.Tensor) -> torch.Tensor:
     """``v`` with tokens innermost, the layout fp8 products need: a view ``[.., tokens, H, D]`` of a ``[.., H, D,
-    tokens]`` copy whose rows are padded to 16 bytes (aligned, vectorised loads)."""
+    tokens]`` copy whose rows are padded to 16 bytes (aligned, vectorised loads). On a GPU a kernel of ours makes
+    the copy: PyTorch's strided copy of one-byte values moved about 0.3 TB/s on an H100 (docs/benchmarks.md)."""
     *lead, tokens, heads, d = v.shape
-    padded = torch.empty((*lead, heads, d, triton.cdiv(max(tokens, 1), 16) * 16), dtype=v.dtype, device=v.device)
+    width = triton.cdiv(max(tokens, 1), 16) * 16
+    padded = torch.empty((*lead, heads, d, width), dtype=v.dtype, device=v.device)
     copy = padded[..., :tokens]
-    copy.copy_(v.movedim(-3, -1))
+    if v.is_cuda and v.stride(-1) == 1 and v.numel() > 0:
+        src, dst = v.view(torch.uint8), padded.view(torch.uint8)  # (a kernel takes no fp8 pointer on every GPU)
+        if not lead:  # packed: one sequence of rows
+            src, dst = src.unsqueeze(0), dst.unsqueeze(0)
+        block_t = 64
+        launch(_transpose_tokens_kernel, (triton.cdiv(tokens, block_t) * src.shape[0] * heads,), src_ptr=src,
+               dst_ptr=dst, tokens=tokens, padded_tokens=width, heads=heads, stride_sb=src.stride(0),
+               stride_st=src.stride(1), stride_sh=src.stride(2), stride_db=dst.stride(0), stride_dh=dst.stride(1),
+               stride_dd=dst.stride(2), D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_T=block_t, num_warps=4)
+    else:
+        copy.copy_(v.movedim(-3, -1))
     return copy.movedim(-1, -3)
 
 

@@ -1,18 +1,19 @@
 """Flash attention forward on Hopper (sm_90): the Gluon kernel of the ``warp_specialized`` variant, its launcher,
 and what it takes (:func:`why_not`, which the dispatcher asks).
 
-A program takes work items, ``BLOCK_M = 128`` query rows of one head, in turn: one program per multiprocessor
-(persistent) without a causal mask, one per item with it. Its warps form three partitions:
+A program takes work items, ``BLOCK_M`` query rows of one head (64 a consumer warpgroup: 128 with two, 192 with
+three; the configuration's ``block_m``), in turn: one program per multiprocessor (persistent) without a causal
+mask, one per item with it. Its warps form these partitions:
 
 - a producer warp lands each item's q tile, then streams the sequence's key and value tiles by TMA into a two-slot
-  shared-memory ring, each slot as soon as both consumers released it (the ring runs on from one item to the
+  shared-memory ring, each slot as soon as every consumer released it (the ring runs on from one item to the
   next);
-- two consumer warpgroups, 64 query rows each, overlap the softmax with the tensor cores as FlashAttention-3 does
-  within a warpgroup: at tile ``j`` a consumer issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}``
-  asynchronously, waits for ``S_j`` alone, runs the online softmax of ``S_j`` while the second product still runs,
-  then waits for it and rescales ``O``. 16-bit ``P`` stays in registers as the product's first operand (the score
-  accumulator's layout is that operand's layout for 16-bit types: no data moves); fp8 ``P`` goes through shared
-  memory (:func:`_stage_probabilities`).
+- two or three consumer warpgroups, 64 query rows each, overlap the softmax with the tensor cores as
+  FlashAttention-3 does within a warpgroup: at tile ``j`` a consumer issues ``S_j = Q K_j^T`` and
+  ``O += P_{j-1} V_{j-1}`` asynchronously, waits for ``S_j`` alone, runs the online softmax of ``S_j`` while the
+  second product still runs, then waits for it and rescales ``O``. 16-bit ``P`` stays in registers as the
+  product's first operand (the score accumulator's layout is that operand's layout for 16-bit types: no data
+  moves); fp8 ``P`` goes through shared memory (:func:`_stage_probabilities`).
 
 fp8 (``float8_e4m3fn``) as in the Triton kernels (``flash_attention``): both products in fp8 with fp32
 accumulation, the descales read on the device, ``P`` scaled by ``P_SCALE = 2^8`` before its rounding to fp8 (here
@@ -25,8 +26,10 @@ as the Triton kernels do. On an H100 that ran 2-18% faster than scaling first at
 at D = 256, where the branch adds spills (docs/benchmarks.md).
 
 Consumers are not made to alternate their products (FlashAttention-3's ping-pong): on an H100 that measured no
-faster (docs/benchmarks.md). A multiprocessor holds one program (180 KB of shared memory at D = 128, 112 KB for
-fp8).
+faster (docs/benchmarks.md). A third consumer gives the tensor cores a third chain of products to interleave; its
+warpgroups then hold 160 registers a thread instead of 240 (``flash_attention.flash_config`` says where it runs).
+A multiprocessor holds one program (180 KB of shared memory at D = 128 with two consumers, 136 KB for fp8 with
+three).
 
 Only the tiles that need it are masked: the one holding the sequence's last key, and under ``CAUSAL`` those crossing
 the diagonal; the others run without a select per score. Key tiles past the diagonal are never visited.
@@ -71,8 +74,10 @@ from .tiles import LOG2E
 
 HEAD_DIMS = (64, 128, 256)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
-_NUM_WARPS = 4  # a consumer warpgroup; another and a producer warp are the kernel's workers
+_NUM_WARPS = 4  # a consumer warpgroup; the others and a producer warp are the kernel's workers
+_ROWS = 64  # query rows a consumer warpgroup takes
 _CONSUMER_REGS = gl.constexpr(240)
+_CONSUMER_REGS_3 = gl.constexpr(160)
 _PRODUCER_REGS = gl.constexpr(24)
 # The barriers (one array): q landed; key and value slots landed and released; the last value tile fixed; q
 # released.
@@ -196,17 +201,18 @@ def _zero_values_past(v_tile, start_n, sk, HALF: gl.constexpr, TRANSPOSED: gl.co
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr,
-              block_cum_ptr, block_seq_ptr, stride_ob, stride_on, stride_oh, stride_lb, stride_lh, seqlen_q, seqlen_k,
-              tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, q_descale_ptr, k_descale_ptr,
-              v_descale_ptr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-              FP8: gl.constexpr, HALF: gl.constexpr):
-    """One consumer warpgroup: query rows ``[64 HALF, 64 HALF + 64)`` of each work item's tile, through every key
-    tile the producer lands; releases each slot (one arrival of two) as soon as its product is done, and q's tile
-    after the item's last ``Q K^T``. fp8 value tiles are ``[D, BLOCK_N]`` (K-major, as fp8 products take them)."""
-    ROWS: gl.constexpr = q_smem.shape[0] // 2
+def _consumer(tensors, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, FP8: gl.constexpr,
+              C: gl.constexpr):
+    """Consumer warpgroup ``C``: query rows ``[64 C, 64 C + 64)`` of each work item's tile, through every key
+    tile the producer lands; releases each slot (one arrival per consumer) as soon as its product is done, and q's
+    tile after the item's last ``Q K^T``. fp8 value tiles are ``[D, BLOCK_N]`` (K-major, as fp8 products take them)."""
+    (q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr, block_cum_ptr,
+     block_seq_ptr, stride_ob, stride_on, stride_oh, stride_lb, stride_lh, seqlen_q, seqlen_k, tiles_per_seq, num_seqs,
+     num_q_tokens, num_k_tokens, qk_scale_log2, q_descale_ptr, k_descale_ptr, v_descale_ptr) = tensors
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
+    ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    D: gl.constexpr = q_smem.shape[1]
+    D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     # An instruction's reduction depth is 32 bytes; a register operand packs 4 bytes a thread along it.
     depth: gl.constexpr = 256 // dtype.primitive_bitwidth
@@ -221,8 +227,8 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, n
     # fp8 P comes out of the exponent times P_SCALE = 2^8 (and the row sums with it).
     p_shift: gl.constexpr = 8.0 if FP8 else 0.0
     qk_scale_log2 = _descaled(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
-    q = q_smem.slice(HALF * ROWS, ROWS, dim=0)
-    p_buf = p_smem.index(HALF)
+    q = q_smem.index(C)
+    p_buf = p_smem.index(C)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     # Counts over this program's items, which set the barriers' phases: key/value tiles, q tiles, fixed tiles.
     done = 0
@@ -231,8 +237,8 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, n
     for t in range(gl.program_id(0), num_items, gl.num_programs(0)):
         head, batch, q_start, _, sk, m0, rows_left, shift, num_tiles, mask_from = _program_tile(
             t, num_slots, cu_q_ptr, cu_k_ptr, block_cum_ptr, block_seq_ptr, seqlen_q, seqlen_k, tiles_per_seq,
-            num_seqs, num_q_tokens, num_k_tokens, 2 * ROWS, BLOCK_N, VARLEN, CAUSAL, BOTTOM_RIGHT)
-        offs_m = m0 + HALF * ROWS + gl.arange(0, ROWS, layout=row_layout)
+            num_seqs, num_q_tokens, num_k_tokens, CONSUMERS * ROWS, BLOCK_N, VARLEN, CAUSAL, BOTTOM_RIGHT)
+        offs_m = m0 + C * ROWS + gl.arange(0, ROWS, layout=row_layout)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
         acc = gl.zeros([ROWS, D], gl.float32, o_layout)
@@ -271,8 +277,9 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, n
             mbarrier.wait(bars.index(_V_READY + g % 2), (g // 2) & 1)
             if last * BLOCK_N + BLOCK_N > sk:
                 # The values past the sequence's last key are the next sequence's (or padding, or TMA's zeros): P
-                # is 0 there, but 0 * NaN is not. Each consumer zeroes half the tile, then waits for the other's.
-                _zero_values_past(v_last, last * BLOCK_N, sk, HALF, FP8)
+                # is 0 there, but 0 * NaN is not. The first two consumers zero half the tile each, then all wait.
+                if C < 2:
+                    _zero_values_past(v_last, last * BLOCK_N, sk, C, FP8)
                 fence_async_shared()
                 mbarrier.arrive(bars.index(_V_FIXED))
                 mbarrier.wait(bars.index(_V_FIXED), fixes & 1)
@@ -289,34 +296,35 @@ def _consumer(q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, n
             out = out * gl.load(v_descale_ptr)
         # 16 bytes a thread or more per store (the compiler stages the accumulator through shared memory).
         out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), rows_layout)
-        rows = HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
+        rows = C * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
         o_base = o_ptr + batch.to(gl.int64) * stride_ob + (q_start + m0).to(gl.int64) * stride_on + head * stride_oh
         gl.store(o_base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :], out,
                  mask=(rows < rows_left)[:, None])
-        lse_rows = HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        lse_rows = C * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         lse_base = lse_ptr + batch.to(gl.int64) * stride_lb + head * stride_lh + q_start + m0
         gl.store(lse_base + lse_rows, lse, mask=lse_rows < rows_left)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, num_slots, num_items, cu_q_ptr, cu_k_ptr,
-              block_cum_ptr, block_seq_ptr, seqlen_q, seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens,
-              num_kv_heads, GROUP: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr,
-              BOTTOM_RIGHT: gl.constexpr, FP8: gl.constexpr):
+def _producer(loads, GROUP: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+              FP8: gl.constexpr):
     """One warp: each work item's q tile once the consumers are done with the last one, then its key and value
-    tiles, each into its slot once both consumers released it. The ring runs on across items, so the next item's
+    tiles, each into its slot once every consumer released it. The ring runs on across items, so the next item's
     first tiles land while the consumers finish the last. fp8 values come from their transposed copy
     (:func:`_transposed_values`), a ``[D, BLOCK_N]`` tile at a time."""
-    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, num_slots, num_items, cu_q_ptr, cu_k_ptr, block_cum_ptr,
+     block_seq_ptr, seqlen_q, seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, num_kv_heads) = loads
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
+    ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    D: gl.constexpr = q_smem.shape[1]
+    D: gl.constexpr = q_smem.shape[2]
     done = 0
     q_loads = 0
     for t in range(gl.program_id(0), num_items, gl.num_programs(0)):
         head, batch, q_start, k_start, _, m0, _, _, num_tiles, _ = _program_tile(
             t, num_slots, cu_q_ptr, cu_k_ptr, block_cum_ptr, block_seq_ptr, seqlen_q, seqlen_k, tiles_per_seq,
-            num_seqs, num_q_tokens, num_k_tokens, BLOCK_M, BLOCK_N, VARLEN, CAUSAL, BOTTOM_RIGHT)
+            num_seqs, num_q_tokens, num_k_tokens, CONSUMERS * ROWS, BLOCK_N, VARLEN, CAUSAL, BOTTOM_RIGHT)
         k_row = (batch * seqlen_k + k_start).to(gl.int32)
         kv_col = (head // GROUP) * D
         if FP8:
@@ -332,8 +340,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, num_slots, n
         if num_tiles > 0:
             # A fresh barrier counts as completed in the phase before its first: the first wait returns at once.
             mbarrier.wait(bars.index(_Q_EMPTY), (q_loads & 1) ^ 1)
-            _issue(q_desc, (batch * seqlen_q + q_start + m0).to(gl.int32), head * D, bars.index(_Q_READY), q_smem,
-                   True)
+            # One tile of 64 rows a consumer, counted on one barrier.
+            mbarrier.expect(bars.index(_Q_READY), CONSUMERS * q_desc.block_type.nbytes)
+            q_row = (batch * seqlen_q + q_start + m0).to(gl.int32)
+            for c in gl.static_range(CONSUMERS):
+                tma_load(q_desc, [q_row + c * ROWS, head * D], bars.index(_Q_READY), q_smem.index(c))
             q_loads += 1
         for j in range(num_tiles):
             g = done + j
@@ -356,41 +367,48 @@ def _flash_fwd_sm90_kernel(
     stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, num_kv_heads, qk_scale_log2, num_slots,
     num_items, GROUP: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    FP8: gl.constexpr,
+    FP8: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     # Each program takes work items (query tile, head) in turn: the grid is the launcher's choice.
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, v_desc.block_type.shape[0], v_desc.block_type.shape[1]],
                                        v_desc.layout)
     if FP8:  # each consumer's P (BLOCK_N bytes a row)
-        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, BLOCK_N],
+        p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, BLOCK_N],
                                            gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N, element_bitwidth=8,
                                                                 rank=2))
     else:  # unused: 16-bit P stays in registers
-        p_smem = gl.allocate_shared_memory(dtype, [2, 8, 8], gl.NVMMASharedLayout(swizzle_byte_width=0,
+        p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 8, 8], gl.NVMMASharedLayout(swizzle_byte_width=0,
                                                                                    element_bitwidth=16, rank=2))
     bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(_NUM_BARRIERS):
-        # Both consumer warpgroups arrive on the releases and on the fixed value tile.
-        mbarrier.init(bars.index(i), count=2 if i >= _K_EMPTY else 1)
-    gl.warp_specialize(
-        [(_consumer, (q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr,
-                      block_cum_ptr, block_seq_ptr, stride_ob, stride_on, stride_oh, stride_lb, stride_lh, seqlen_q,
-                      seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, q_descale_ptr,
-                      k_descale_ptr, v_descale_ptr, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8, 0)),
-         (_consumer, (q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr,
-                      block_cum_ptr, block_seq_ptr, stride_ob, stride_on, stride_oh, stride_lb, stride_lh, seqlen_q,
-                      seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, q_descale_ptr,
-                      k_descale_ptr, v_descale_ptr, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8, 1)),
-         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, num_slots, num_items, cu_q_ptr, cu_k_ptr,
-                      block_cum_ptr, block_seq_ptr, seqlen_q, seqlen_k, tiles_per_seq, num_seqs, num_q_tokens,
-                      num_k_tokens, num_kv_heads, GROUP, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8))],
-        [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+        # Every consumer warpgroup arrives on the releases and on the fixed value tile.
+        mbarrier.init(bars.index(i), count=CONSUMERS if i >= _K_EMPTY else 1)
+    # Each partition's runtime arguments as one tuple, its constexprs after it (inside a tuple a constexpr would
+    # turn into a plain value).
+    tensors = (q_smem, k_smem, v_smem, p_smem, bars, o_ptr, lse_ptr, num_slots, num_items, cu_q_ptr, cu_k_ptr,
+               block_cum_ptr, block_seq_ptr, stride_ob, stride_on, stride_oh, stride_lb, stride_lh, seqlen_q, seqlen_k,
+               tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens, qk_scale_log2, q_descale_ptr, k_descale_ptr,
+               v_descale_ptr)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, num_slots, num_items, cu_q_ptr, cu_k_ptr,
+             block_cum_ptr, block_seq_ptr, seqlen_q, seqlen_k, tiles_per_seq, num_seqs, num_q_tokens, num_k_tokens,
+             num_kv_heads)
+    if CONSUMERS == 3:
+        gl.warp_specialize([(_consumer, (tensors, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8, 0)),
+                            (_consumer, (tensors, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8, 1)),
+                            (_consumer, (tensors, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8, 2)),
+                            (_producer, (loads, GROUP, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8))],
+                           [4, 4, 1], [_CONSUMER_REGS_3, _CONSUMER_REGS_3, _PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consumer, (tensors, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8, 0)),
+                            (_consumer, (tensors, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8, 1)),
+                            (_producer, (loads, GROUP, VARLEN, CAUSAL, BOTTOM_RIGHT, FP8))],
+                           [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 def why_not(dtype: torch.dtype, head_dim: int) -> str | None:
@@ -405,8 +423,8 @@ def why_not(dtype: torch.dtype, head_dim: int) -> str | None:
 def config_reason(cfg: FlashConfig) -> str | None:
     """Why the kernel cannot run ``cfg`` (``flash_attention.flash_config``'s, which shrinks tiles to the GPU's shared
     memory), or ``None``."""
-    if (cfg.block_m, cfg.num_warps, cfg.num_stages) != (128, _NUM_WARPS, 2):
-        return "needs 128-row tiles and two key/value slots: more shared memory than this GPU has"
+    if cfg.block_m not in (2 * _ROWS, 3 * _ROWS) or (cfg.num_warps, cfg.num_stages) != (_NUM_WARPS, 2):
+        return "needs 128- or 192-row tiles and two key/value slots: more shared memory than this GPU has"
     return None
 
 
@@ -474,12 +492,12 @@ def flash_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q_descale, k_descale, v_descale = descales if fp8 else (lse, lse, lse)  # never read without fp8
     launch(
         _flash_fwd_sm90_kernel, (programs,),
-        q_desc=_descriptor(q, cfg.block_m), k_desc=_descriptor(k, cfg.block_n),
+        q_desc=_descriptor(q, _ROWS), k_desc=_descriptor(k, cfg.block_n),
         v_desc=_values_descriptor(v, cu_seqlens_k, cfg.block_n) if fp8 else _descriptor(v, cfg.block_n),
         o_ptr=out, lse_ptr=lse, **sequences, q_descale_ptr=q_descale, k_descale_ptr=k_descale,
         v_descale_ptr=v_descale, stride_oh=out.stride(-2), num_kv_heads=k.shape[-2], qk_scale_log2=scale * LOG2E,
         num_slots=slots, num_items=num_items,
         GROUP=q.shape[-2] // k.shape[-2], VARLEN=cu_seqlens_q is not None, CAUSAL=causal, BOTTOM_RIGHT=bottom_right,
-        FP8=fp8, num_warps=_NUM_WARPS,
+        FP8=fp8, CONSUMERS=cfg.block_m // _ROWS, num_warps=_NUM_WARPS,
     )
     return out, lse
