@@ -248,12 +248,16 @@ def test_gpu_fp8(variant, causal, bottom_right, head_dim, out_dtype, poisoned_ou
 
 
 @pytest.mark.skipif(backends.flash_sm90_ops is None, reason="this triton has no Gluon Hopper API")
-@pytest.mark.parametrize("lengths", [[13, 0, 700, 1, 31, 16, 17], [0], [33], [0, 0]])
-def test_fp8_values_copy_starts_every_sequence_16_aligned(lengths):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+@pytest.mark.parametrize("lengths", [[13, 0, 700, 1, 31, 16, 17], [0], [33], [0, 0], "random"])
+def test_fp8_values_copy_starts_every_sequence_16_aligned(lengths, device):
     """The Gluon kernel's transposed fp8 values: head h's rows h D .. h D + D, sequence s's tokens from column
     16 (cu[s] // 16 + s) (a multiple of 16, where the producer's TMA boxes start), in order; dense, batch b's rows
-    from (b H + h) D, token s in column s."""
-    _, _, v, _, cu_k = packed_inputs([1] * len(lengths), lengths, 1, 3, 32, torch.float32, "cpu")
+    from (b H + h) D, token s in column s. PyTorch ops make the copy on the CPU, kernels on a GPU (there the
+    packed copy's binary search over the sequences' starts takes several steps with 57 sequences)."""
+    if lengths == "random":
+        lengths = torch.randint(0, 90, (57,)).tolist()
+    _, _, v, _, cu_k = packed_inputs([1] * len(lengths), lengths, 1, 3, 32, torch.float32, device)
     v = v.to(FP8_DTYPE)
     vt = backends.flash_sm90_ops._transposed_values(v, cu_k)
     assert vt.dtype == FP8_DTYPE and vt.shape[0] == 3 * 32 and vt.shape[1] % 16 == 0
@@ -261,7 +265,7 @@ def test_fp8_values_copy_starts_every_sequence_16_aligned(lengths):
         column = 16 * (start // 16 + s)
         expected = v[start:end].permute(1, 2, 0).flatten(0, 1).view(torch.uint8)
         assert torch.equal(vt[:, column:column + end - start].view(torch.uint8), expected)
-    dense = torch.randn(2, 21, 3, 32).to(FP8_DTYPE)[:, 2:]
+    dense = torch.randn(2, 21, 3, 32, device=device).to(FP8_DTYPE)[:, 2:]
     vt = backends.flash_sm90_ops._transposed_values(dense, None)
     assert vt.shape == (2 * 3 * 32, 19)
     assert torch.equal(vt.view(torch.uint8), dense.permute(0, 2, 3, 1).flatten(0, 2).view(torch.uint8))
