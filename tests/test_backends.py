@@ -146,18 +146,18 @@ def test_gluon_flash_forward_takes_a_third_consumer_without_a_causal_mask(dtype,
     gpu_capability((9, 0))
     q = torch.empty(1, 8, 2, head_dim, dtype=dtype)
     for causal, rows in ((False, rows_without_mask), (True, 128)):
-        call = FlashCall.of(q, q, q, "auto", causal)
+        call = FlashCall.of(q, q, q, "auto", causal=causal)
         assert call.causal is causal
         config = call.with_config("warp_specialized-sm90").config
         assert config.block_m == rows
         assert backends.flash_sm90_ops.config_reason(config) is None
     # Other kernels keep their tables with or without the mask.
-    assert FlashCall.of(q, q, q, "auto").with_config("pipelined").config.block_m == 128
+    assert FlashCall.of(q, q, q, "auto", causal=False).with_config("pipelined").config.block_m == 128
 
 
 def test_flash_call_reads_whether_rows_follow():
     q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
-    assert FlashCall.of(q, q, q, "auto").rows_follow
-    assert FlashCall.of(q.flatten(0, 1), q.flatten(0, 1), q.flatten(0, 1), "auto").rows_follow
-    assert not FlashCall.of(q[:, :100], q, q, "auto").rows_follow
-    assert FlashCall.of(q[:1, :100], q, q, "auto").rows_follow  # one sequence
+    assert FlashCall.of(q, q, q, "auto", causal=False).rows_follow
+    assert FlashCall.of(q.flatten(0, 1), q.flatten(0, 1), q.flatten(0, 1), "auto", causal=False).rows_follow
+    assert not FlashCall.of(q[:, :100], q, q, "auto", causal=False).rows_follow
+    assert FlashCall.of(q[:1, :100], q, q, "auto", causal=False).rows_follow  # one sequence

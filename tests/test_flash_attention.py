@@ -53,7 +53,7 @@ def dequantised(t8, descale):
 def run_variant(variant, q, k, v, cu_q, cu_k, causal, bottom_right, descales=None, out_dtype=None):
     """``(out, lse)`` of one kernel backend's launcher (``variant``: its name), bypassing the dispatcher (tuned
     config on a GPU)."""
-    call = FlashCall.of(q, k, v, KERNELS[variant], causal)
+    call = FlashCall.of(q, k, v, KERNELS[variant], causal=causal)
     if variant == "warp_specialized" and (reason := backends.tma_reason(q.shape[-1], q.dtype)):
         pytest.skip(reason)
     if variant == "warp_specialized-sm90" and (reason := FLASH_BACKENDS[variant].why_not(call)):
@@ -134,23 +134,26 @@ def test_kernels_dense(variant, causal, bottom_right, poisoned_outputs):
 
 @pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_kernels_grid_cut_by_max_seqlen(variant, causal, poisoned_outputs):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernels_grid_cut_by_max_seqlen(variant, causal, head_dim, poisoned_outputs):
     """The grid the ``max_seqlen_q`` hint allows (B * ceil(max / BLOCK_M) slots, fewer than the block table's)
-    still covers every row."""
-    call = FlashCall.of(*(torch.empty(1, 1, 128, dtype=torch.float16, device=KERNEL_DEVICE) for _ in range(3)),
-                        KERNELS[variant])
+    still covers every row (on a Hopper GPU, D = 64 without a mask takes 192-row tiles)."""
+    call = FlashCall.of(*(torch.empty(1, 1, head_dim, dtype=torch.float16, device=KERNEL_DEVICE) for _ in range(3)),
+                        KERNELS[variant], causal=causal)
     cfg = call.with_config(variant).config if HAS_GPU else INTERPRETER_CONFIG
     unit = cfg.block_m // 32  # lengths in units of the tile, as on the interpreter's 32-row tiles
-    q, k, v, cu_q, cu_k = packed_inputs([32 * unit, 32 * unit, 0, 30 * unit], [20, 5, 33, 70 * unit], 2, 1, 128,
+    q, k, v, cu_q, cu_k = packed_inputs([32 * unit, 32 * unit, 0, 30 * unit], [20, 5, 33, 70 * unit], 2, 1, head_dim,
                                         torch.float16, KERNEL_DEVICE)
     table = build_block_table(cu_q, q.shape[0], cfg.block_m)
     slots = 4 * -(-32 * unit // cfg.block_m)
     assert slots < table.num_slots
     table = type(table)(table.block_cum, table.block_seq[:slots])
+    if variant == "warp_specialized" and (reason := backends.tma_reason(head_dim, q.dtype)):
+        pytest.skip(reason)
     if variant == "warp_specialized-sm90" and (reason := FLASH_BACKENDS[variant].why_not(call)):
         pytest.skip(reason)
-    out, lse = FLASH_BACKENDS[variant].forward(q, k, v, cu_q, cu_k, table, 128**-0.5, causal, False, q.dtype, None,
-                                               cfg)
+    out, lse = FLASH_BACKENDS[variant].forward(q, k, v, cu_q, cu_k, table, head_dim**-0.5, causal, False, q.dtype,
+                                               None, cfg)
     assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, False)
 
 
@@ -259,12 +262,17 @@ def test_fp8_values_copy_starts_every_sequence_16_aligned(lengths, device):
         lengths = torch.randint(0, 90, (57,)).tolist()
     _, _, v, _, cu_k = packed_inputs([1] * len(lengths), lengths, 1, 3, 32, torch.float32, device)
     v = v.to(FP8_DTYPE)
-    vt = backends.flash_sm90_ops._transposed_values(v, cu_k)
-    assert vt.dtype == FP8_DTYPE and vt.shape[0] == 3 * 32 and vt.shape[1] % 16 == 0
-    for s, (start, end) in enumerate(zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
-        column = 16 * (start // 16 + s)
-        expected = v[start:end].permute(1, 2, 0).flatten(0, 1).view(torch.uint8)
-        assert torch.equal(vt[:, column:column + end - start].view(torch.uint8), expected)
+    for offsets in (cu_k, cu_k.long()):
+        vt = backends.flash_sm90_ops._transposed_values(v, offsets)
+        assert vt.dtype == FP8_DTYPE and vt.shape[0] == 3 * 32 and vt.shape[1] % 16 == 0
+        written = torch.zeros(vt.shape[1], dtype=torch.bool, device=device)
+        for s, (start, end) in enumerate(zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+            column = 16 * (start // 16 + s)
+            expected = v[start:end].permute(1, 2, 0).flatten(0, 1).view(torch.uint8)
+            assert torch.equal(vt[:, column:column + end - start].view(torch.uint8), expected)
+            written[column:column + end - start] = True
+        if device == "cuda":  # the kernel writes zeros between sequences (the CPU leaves them unwritten)
+            assert not vt.view(torch.uint8)[:, ~written].any()
     dense = torch.randn(2, 21, 3, 32, device=device).to(FP8_DTYPE)[:, 2:]
     vt = backends.flash_sm90_ops._transposed_values(dense, None)
     assert vt.shape == (2 * 3 * 32, 19)
@@ -303,10 +311,11 @@ def test_gpu_fp8_dense(variant, causal, bottom_right, head_dim, batch, seqlen_q,
 @requires_gpu
 @pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
-def test_gpu_nan_in_a_neighbouring_sequence_stays_there(variant, dtype, poisoned_outputs):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_nan_in_a_neighbouring_sequence_stays_there(variant, dtype, head_dim, poisoned_outputs):
     """Values of one sequence all NaN: the sequences before and after it (whose last key tiles run into its rows)
-    are exact; only its own rows are NaN."""
-    q, k, v, cu_q, cu_k = packed_inputs([70, 40, 200], [100, 50, 130], 4, 2, 128, torch.float32, "cuda")
+    are exact; only its own rows are NaN (two consumer warpgroups zero the rows past a sequence, with three too)."""
+    q, k, v, cu_q, cu_k = packed_inputs([70, 40, 200], [100, 50, 130], 4, 2, head_dim, torch.float32, "cuda")
     if dtype == FP8_DTYPE:
         (q, qs), (k, ks), (v, vs) = quantised(q), quantised(k), quantised(v)
         descales, exact_inputs = (qs, ks, vs), (dequantised(q, qs), dequantised(k, ks), dequantised(v, vs))
@@ -467,7 +476,7 @@ def test_gpu_cuda_graph_new_lengths(variant):
 @requires_gpu
 def test_gpu_auto_picks_a_kernel():
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
-    call = FlashCall.of(q, q, q, "auto")
+    call = FlashCall.of(q, q, q, "auto", causal=False)
     assert backends.select(call, FLASH_BACKENDS).name in KERNELS
 
 
@@ -481,10 +490,10 @@ def test_fp8_refused_without_fp8_tensor_cores(monkeypatch):
 
 
 def test_configuration_that_does_not_fit_is_refused():
-    cfg, reason = flash_ops.flash_config("pipelined", (9, 0), 256, False, shared_limit=16 * 1024)
+    cfg, reason = flash_ops.flash_config("pipelined", (9, 0), 256, False, shared_limit=16 * 1024, causal=False)
     assert cfg is None and "shared memory" in reason
     a100 = 163 * 1024
-    cfg, reason = flash_ops.flash_config("pipelined", (8, 0), 256, False, shared_limit=a100)
+    cfg, reason = flash_ops.flash_config("pipelined", (8, 0), 256, False, shared_limit=a100, causal=False)
     assert reason is None and cfg.shared_bytes(256, 2) <= a100
 
 

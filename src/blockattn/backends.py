@@ -203,7 +203,7 @@ class FlashCall:
     config_reason: str | None = None
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, causal: bool = False) -> FlashCall:
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, *, causal: bool) -> FlashCall:
         return cls("fwd", q.device, q.dtype, q.shape[-1], variant, all(tma_rows_ready(t) for t in (q, k, v)),
                    all(t.stride(-1) == 1 for t in (q, k, v)),
                    all(t.dim() == 3 or t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in (q, k, v)),

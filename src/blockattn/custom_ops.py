@@ -456,7 +456,7 @@ def _flash_attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of dense ``[B, S, H, D]`` inputs (``cu_seqlens_q`` None; ``lse [B, H, Sq]``) or packed
     ``[N, H, D]`` ones (``lse [H, Nq]``), by the backend the dispatcher picks for ``variant``. Forward only."""
-    call = FlashCall.of(q, k, v, variant, causal)
+    call = FlashCall.of(q, k, v, variant, causal=causal)
     backend = backends.select(call, FLASH_BACKENDS)
     config = None if backend.name == "torch" else call.with_config(backend.name).config
     table = None

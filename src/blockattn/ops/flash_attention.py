@@ -100,7 +100,7 @@ def shared_memory_limit(device: torch.device) -> int:
 
 @functools.cache  # the dispatcher's check and the launch ask the same question on every call
 def flash_config(variant: str, capability: tuple[int, int], head_dim: int, fp8: bool,
-                 shared_limit: int, causal: bool = False) -> tuple[FlashConfig | None, str | None]:
+                 shared_limit: int, causal: bool) -> tuple[FlashConfig | None, str | None]:
     """The tuned configuration, with stages then key tiles shrunk until it fits ``shared_limit`` bytes of shared
     memory; ``(None, reason)`` when nothing fits."""
     if capability[0] < 9:
@@ -441,7 +441,7 @@ def transposed_values(v: torch.Tensor) -> torch.Tensor:
     width = triton.cdiv(max(tokens, 1), 16) * 16
     padded = torch.empty((*lead, heads, d, width), dtype=v.dtype, device=v.device)
     copy = padded[..., :tokens]
-    if v.is_cuda and v.stride(-1) == 1 and v.numel() > 0:
+    if v.is_cuda and v.stride(-1) == 1 and v.numel() > 0 and width < 2**31:  # the kernel's token index is int32
         src, dst = v.view(torch.uint8), padded.view(torch.uint8)  # (a kernel takes no fp8 pointer on every GPU)
         if not lead:  # packed: one sequence of rows
             src, dst = src.unsqueeze(0), dst.unsqueeze(0)

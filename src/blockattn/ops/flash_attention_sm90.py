@@ -484,7 +484,8 @@ def _transposed_values(v: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
     tokens, heads, d = v.shape
     num_seqs = cu_seqlens_k.numel() - 1
     width = 16 * (tokens // 16 + num_seqs + 1)
-    if v.is_cuda and v.stride(-1) == 1 and tokens > 0 and num_seqs > 0:
+    # The kernel's columns are int32: wider copies (2^31 columns, some 134 M sequences) take PyTorch's way.
+    if v.is_cuda and v.stride(-1) == 1 and tokens > 0 and num_seqs > 0 and width < 2**31:
         vt = torch.empty(heads, d, width, dtype=torch.uint8, device=v.device)
         block_c = 64
         launch(_transpose_sequences_kernel, (triton.cdiv(width, block_c) * heads,), src_ptr=v.view(torch.uint8),
