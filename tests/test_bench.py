@@ -14,7 +14,7 @@ import torch
 from conftest import HAS_GPU, make_offsets, random_angles, requires_gpu
 
 from blockattn.__main__ import build_parser, main, make_console, print_report, workloads_from_args
-from blockattn.bench import harness, latency, sweep
+from blockattn.bench import dense, harness, latency, sweep
 from blockattn.bench import options as options_bench
 from blockattn.bench.baselines import (
     BASELINES,
@@ -307,6 +307,29 @@ def test_report_is_readable_in_a_log():
     assert any("xformers" in line and "unavailable: `xformers` is not installed" in line for line in lines)
     assert any("FA2 varlen (aten)" in line and "FAILED: OutOfMemoryError" in line for line in lines)
     assert max(map(len, lines)) <= 200
+
+
+def test_dense_report_compares_fp8_with_the_same_kernel_in_bf16():
+    """``bench --dense``: every row against its case's reference, our fp8 rows also against the same kernel in bf16
+    (the fp8 target's baseline), and the printed notes say so; a missing bf16 row gives no figure."""
+    cases = [{"case": "B4 S8192 D128", "reference": "SDPA cuDNN bf16"},
+             {"case": "varlen long", "reference": "FA2 varlen bf16"}]
+    rows = [{"case": "B4 S8192 D128", "impl": impl, "ms": ms, "tflops": 1000 / ms}
+            for impl, ms in (("blockattn warp_specialized bf16", 3.0), ("blockattn warp_specialized fp8", 2.0),
+                             ("blockattn pipelined fp8", 2.5), ("SDPA cuDNN bf16", 3.3))]
+    rows.append({"case": "varlen long", "impl": "blockattn warp_specialized fp8", "ms": 4.0, "tflops": 250.0})
+    dense.compare(rows, cases)
+    by_impl = {(r["case"], r["impl"]): r for r in rows}
+    fp8 = by_impl[("B4 S8192 D128", "blockattn warp_specialized fp8")]
+    assert fp8["speedup_vs_bf16"] == pytest.approx(1.5) and fp8["speedup_vs_reference"] == pytest.approx(1.65)
+    assert by_impl[("B4 S8192 D128", "blockattn pipelined fp8")]["speedup_vs_bf16"] is None  # no pipelined bf16
+    assert "speedup_vs_bf16" not in by_impl[("B4 S8192 D128", "SDPA cuDNN bf16")]
+    assert by_impl[("varlen long", "blockattn warp_specialized fp8")]["speedup_vs_reference"] is None
+    stream = io.StringIO()
+    dense.print_report({"environment": {"device": "GPU", "torch": "t", "triton": "tr", "date": "d"}, "cases": cases,
+                        "results": rows, "skipped": []}, make_console(stream))
+    line = next(line for line in stream.getvalue().splitlines() if "warp_specialized fp8" in line and "S8192" in line)
+    assert "1.65x" in line and "1.50x our bf16" in line
 
 
 def test_blockattn_failure_is_said_plainly():

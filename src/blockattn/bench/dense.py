@@ -157,11 +157,22 @@ def run(rep_ms: int, seed: int, progress) -> dict:
         q = k = v = None
         free_memory()
         progress.advance(task)
-    for row in rows:
-        reference = next(c["reference"] for c in cases if c["case"] == row["case"])
-        ref = next((r["ms"] for r in rows if r["case"] == row["case"] and r["impl"] == reference), None)
-        row["speedup_vs_reference"] = ref / row["ms"] if ref else None
+    compare(rows, cases)
     return {"environment": environment(), "cases": cases, "results": rows, "skipped": skipped}
+
+
+def compare(rows: list[dict], cases: list[dict]) -> None:
+    """Each row's ``speedup_vs_reference`` (over its case's reference), and for our fp8 rows ``speedup_vs_bf16``:
+    over the same kernel in bf16 on the same shape (what the fp8 target is stated against); None where the other
+    row is missing."""
+    ms = {(r["case"], r["impl"]): r["ms"] for r in rows}
+    references = {c["case"]: c["reference"] for c in cases}
+    for row in rows:
+        ref = ms.get((row["case"], references[row["case"]]))
+        row["speedup_vs_reference"] = ref / row["ms"] if ref else None
+        if row["impl"].startswith("blockattn ") and row["impl"].endswith(" fp8"):
+            bf16 = ms.get((row["case"], row["impl"].removesuffix(" fp8") + " bf16"))
+            row["speedup_vs_bf16"] = bf16 / row["ms"] if bf16 else None
 
 
 def print_report(report: dict, console) -> None:
@@ -175,14 +186,16 @@ def print_report(report: dict, console) -> None:
         table.add_column(col, overflow="fold")
     for case in report["cases"]:
         for r in (r for r in report["results"] if r["case"] == case["case"]):
-            speed = r["speedup_vs_reference"]
+            speed, over_bf16 = r["speedup_vs_reference"], r.get("speedup_vs_bf16")
             table.add_row(*(Text(c) for c in (case["case"], r["impl"], f"{r['ms']:.3f}", f"{r['tflops']:.0f}",
-                                              f"{speed:.2f}x" if speed else "-", "")))
+                                              f"{speed:.2f}x" if speed else "-",
+                                              f"{over_bf16:.2f}x our bf16" if over_bf16 else "")))
         for s in (s for s in report["skipped"] if s["case"] == case["case"]):
             table.add_row(*(Text(c) for c in (case["case"], s["impl"], "-", "-", "-",
                                               f"{s['status']}: {s['reason']}")))
     console.print(table)
-    console.print("vs reference: speedup over SDPA cuDNN bf16 (dense) or FA2 varlen bf16 (varlen).")
+    console.print("vs reference: speedup over SDPA cuDNN bf16 (dense) or FA2 varlen bf16 (varlen); fp8 rows' notes: "
+                  "speedup over the same kernel in bf16.")
 
 
 def write_files(report: dict, out_dir: Path) -> list[Path]:
