@@ -77,11 +77,12 @@ _CONFIGS = {
 }
 # Without a causal mask the Gluon kernel takes a third consumer warpgroup (192-row tiles) where it measured faster on
 # an H100 (docs/benchmarks.md): fp8 at D <= 128 (+10% at D = 128, +25% at D = 64) and 16-bit at D = 64 (+4%). At
-# D = 128 in 16 bits its 160 registers a thread spill too much (0.75x), and causal items of 192 rows lost 3-7%.
+# D = 128 in 16 bits its 160 registers a thread spill too much (0.75x), and causal items of 192 rows lost 3-7%. Its
+# entry goes first; the head dims above it keep the table's.
+_THREE_CONSUMERS = FlashConfig(192, 128, 4, 2)
 _CONFIGS_NON_CAUSAL = {
-    ("warp_specialized-sm90", False): ((64, FlashConfig(192, 128, 4, 2)), (128, FlashConfig(128, 128, 4, 2)),
-                                       (256, FlashConfig(128, 64, 4, 2))),
-    ("warp_specialized-sm90", True): ((128, FlashConfig(192, 128, 4, 2)), (256, FlashConfig(128, 64, 4, 2))),
+    ("warp_specialized-sm90", False): ((64, _THREE_CONSUMERS),) + _CONFIGS[("warp_specialized-sm90", False)],
+    ("warp_specialized-sm90", True): ((128, _THREE_CONSUMERS),) + _CONFIGS[("warp_specialized-sm90", True)],
 }
 # Ampere and Ada (never measured here): 4 warps and 2 stages, for their 100-164 KB of shared memory.
 _CONFIGS_SM8X = ((128, FlashConfig(128, 64, 4, 2)), (256, FlashConfig(64, 64, 4, 2)))

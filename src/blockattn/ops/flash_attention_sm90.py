@@ -484,21 +484,20 @@ def _transposed_values(v: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
     tokens, heads, d = v.shape
     num_seqs = cu_seqlens_k.numel() - 1
     width = 16 * (tokens // 16 + num_seqs + 1)
+    vt = torch.empty(heads, d, width, dtype=torch.uint8, device=v.device)  # indexing takes no fp8
     # The kernel's columns are int32: wider copies (2^31 columns, some 134 M sequences) take PyTorch's way.
     if v.is_cuda and v.stride(-1) == 1 and tokens > 0 and num_seqs > 0 and width < 2**31:
-        vt = torch.empty(heads, d, width, dtype=torch.uint8, device=v.device)
         block_c = 64
         launch(_transpose_sequences_kernel, (triton.cdiv(width, block_c) * heads,), src_ptr=v.view(torch.uint8),
                dst_ptr=vt, cu_ptr=cu_seqlens_k, num_seqs=num_seqs, search_steps=max(num_seqs - 1, 1).bit_length(),
                tokens=tokens, width=width, heads=heads, stride_st=v.stride(0), stride_sh=v.stride(1),
                stride_dd=vt.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_C=block_c, num_warps=4)
-        return vt.view(v.dtype).flatten(0, 1)
-    token = torch.arange(tokens, device=v.device, dtype=cu_seqlens_k.dtype)
-    seq = torch.searchsorted(cu_seqlens_k[1:], token, right=True)
-    # Clamped: cumulative lengths unchecked on the host must not send a token out of the copy.
-    column = (token + 16 * seq - cu_seqlens_k[seq] % 16).clamp_(0, width - 1)
-    vt = torch.empty(heads, d, width, dtype=torch.uint8, device=v.device)
-    vt[:, :, column] = v.view(torch.uint8).permute(1, 2, 0)  # indexing takes no fp8
+    else:
+        token = torch.arange(tokens, device=v.device, dtype=cu_seqlens_k.dtype)
+        seq = torch.searchsorted(cu_seqlens_k[1:], token, right=True)
+        # Clamped: cumulative lengths unchecked on the host must not send a token out of the copy.
+        column = (token + 16 * seq - cu_seqlens_k[seq] % 16).clamp_(0, width - 1)
+        vt[:, :, column] = v.view(torch.uint8).permute(1, 2, 0)
     return vt.view(v.dtype).flatten(0, 1)
 
 
