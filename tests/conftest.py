@@ -19,7 +19,7 @@ import pytest
 
 from blockattn import backends, reference
 from blockattn.block_table import build_block_table
-from blockattn.ops import tiles
+from blockattn.ops import plans, tiles
 from blockattn.ops.in_block import PLAIN, dropout_keep
 from blockattn.ops.tiles import ROTATE_BITS
 from blockattn.reference import block_attention_reference, rotary_reference
@@ -31,6 +31,12 @@ BLOCK_SIZES = [16, 32, 64, 128]
 # Triton's interpreter gets bf16 wrong (tl.dot returns garbage, conversions truncate instead of rounding): bf16
 # kernels are tested on the GPU only.
 KERNEL_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_GPU else [])
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """No call plan (``ops.plans``) recorded by another test, under other patches, replays in this one."""
+    plans.forget()
 
 
 @pytest.fixture(autouse=True)

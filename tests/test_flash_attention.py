@@ -256,8 +256,9 @@ def test_gpu_fp8(variant, causal, bottom_right, head_dim, out_dtype, poisoned_ou
 def test_fp8_values_copy_starts_every_sequence_16_aligned(lengths, device):
     """The Gluon kernel's transposed fp8 values: head h's rows h D .. h D + D, sequence s's tokens from column
     16 (cu[s] // 16 + s) (a multiple of 16, where the producer's TMA boxes start), in order; dense, batch b's rows
-    from (b H + h) D, token s in column s. PyTorch ops make the copy on the CPU, kernels on a GPU (there the
-    packed copy's binary search over the sequences' starts takes several steps with 57 sequences)."""
+    from (b H + h) D, token s in column s; zeros between sequences. PyTorch ops make the copy on the CPU and of no
+    token, kernels on a GPU (there the packed copy's binary search over the sequences' starts takes several steps
+    with 57 sequences)."""
     if lengths == "random":
         lengths = torch.randint(0, 90, (57,)).tolist()
     _, _, v, _, cu_k = packed_inputs([1] * len(lengths), lengths, 1, 3, 32, torch.float32, device)
@@ -271,8 +272,7 @@ def test_fp8_values_copy_starts_every_sequence_16_aligned(lengths, device):
             expected = v[start:end].permute(1, 2, 0).flatten(0, 1).view(torch.uint8)
             assert torch.equal(vt[:, column:column + end - start].view(torch.uint8), expected)
             written[column:column + end - start] = True
-        if device == "cuda":  # the kernel writes zeros between sequences (the CPU leaves them unwritten)
-            assert not vt.view(torch.uint8)[:, ~written].any()
+        assert not vt.view(torch.uint8)[:, ~written].any()  # zeros between sequences
     dense = torch.randn(2, 21, 3, 32, device=device).to(FP8_DTYPE)[:, 2:]
     vt = backends.flash_sm90_ops._transposed_values(dense, None)
     assert vt.shape == (2 * 3 * 32, 19)

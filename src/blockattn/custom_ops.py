@@ -4,7 +4,9 @@ The ops are opaque to ``torch.compile`` (one node each, no graph break) and thei
 output metadata without running anything (``torch.compile``, meta tensors). In eager mode the public functions
 take a shorter route to the same implementations (:func:`eager_route`): a ``torch.autograd.Function`` that calls
 them directly (or a direct call where nothing needs a gradient, and for the forward-only flash op), since the
-custom op's dispatch and autograd wrapper cost more host time than the kernels of a small batch. Each attention op
+custom op's dispatch and autograd wrapper cost more host time than the kernels of a small batch. The attention ops'
+implementations are :func:`ops.plans.planned`: on a GPU, a repeated call signature replays the recorded
+allocations and launches instead of running the dispatcher and launchers again. Each attention op
 asks ``backends.select`` which backend runs it; the rotary op runs its Triton kernel where
 ``devices.kernels_run_on`` says the kernels run, else PyTorch. The forwards also return the block table they
 built, so that the backwards reuse it instead of building it again.
@@ -30,6 +32,7 @@ from .ops import fp8, tiles
 from .ops.block_attention_torch import rotary_torch
 from .ops.fp8 import Fp8Scales
 from .ops.in_block import DEFAULT_BUCKET_WIDTH, InBlock
+from .ops.plans import planned
 from .ops.rotary import rotary_triton
 from .ops.tiles import ROTATE_NONE
 
@@ -166,6 +169,7 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save,
                  "backward": staticmethod(lambda ctx, grad_out: input_grads(ctx, grad_out, bwd_impl))})
 
 
+@planned
 def _block_attention_forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_bias=None,
                              timestamps=None, time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0,
                              dropout_seed=None, block_cum=None, block_seq=None, q_descale=None, k_descale=None,
@@ -207,6 +211,7 @@ def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_b
             *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum))
 
 
+@planned
 def _block_attention_backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate,
                               causal=False, pos_bias=None, timestamps=None, time_bias=None,
                               time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None) -> tuple:
@@ -267,6 +272,7 @@ _EagerBlockAttention = _register_autograd("EagerBlockAttention", block_attention
                                           _input_grads)
 
 
+@planned
 def _qkv_block_attention_forward(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate,
                                  causal=False, pos_bias=None, timestamps=None, time_bias=None,
                                  time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None,
@@ -303,6 +309,7 @@ def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate
     return qkv.new_empty(n, num_heads, head_dim), *_fwd_table_fakes(offsets, n, block_size, block_cum)
 
 
+@planned
 def _qkv_block_attention_backward(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads,
                                   block_size, scale, rotate, causal=False, pos_bias=None, timestamps=None,
                                   time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0,
@@ -448,6 +455,7 @@ def _qkv_bwd_flops(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_h
     return attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, causal, MATMULS["bwd"])
 
 
+@planned
 def _flash_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int | None, max_seqlen_k: int | None, scale: float, causal: bool,

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ..block_table import BlockTable
 from . import tiles
-from .launch import launch
+from .launch import launch, not_replayable
 from .tiles import LOG2E, column_mask, load_or_zero
 
 P_SCALE = tl.constexpr(256.0)
@@ -493,11 +493,13 @@ def flash_attention_fwd_triton(
     grid = (slots, q.shape[-2])
     if variant == "pipelined":
         q_descale, k_descale, v_descale = descales if fp8 else (q, q, q)  # never read without fp8
-        _flash_fwd_kernel[grid](**args, q_descale_ptr=q_descale, k_descale_ptr=k_descale, v_descale_ptr=v_descale,
-                                **_head_strides(("q", q), ("k", k), ("v", v), ("o", out)), stride_vd=v.stride(-1),
-                                BLOCK_D=block_d(d, fp8), FP8=fp8)
+        launch(_flash_fwd_kernel, grid, **args, q_descale_ptr=q_descale, k_descale_ptr=k_descale,
+               v_descale_ptr=v_descale, **_head_strides(("q", q), ("k", k), ("v", v), ("o", out)),
+               stride_vd=v.stride(-1), BLOCK_D=block_d(d, fp8), FP8=fp8)
     else:
+        # Triton's allocator is set per thread: a replay on another thread would find none.
+        not_replayable("sets Triton's allocator for the TMA kernel's device-side descriptors")
         triton.set_allocator(_allocate_scratch)
-        _flash_fwd_tma_kernel[grid](**args, NUM_Q_HEADS=q.shape[-2], NUM_KV_HEADS=k.shape[-2],
-                                    WARP_SPECIALIZE=q.device.type == "cuda")
+        launch(_flash_fwd_tma_kernel, grid, **args, NUM_Q_HEADS=q.shape[-2], NUM_KV_HEADS=k.shape[-2],
+               WARP_SPECIALIZE=q.device.type == "cuda")
     return out, lse

@@ -475,8 +475,8 @@ def _transposed_values(v: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
     aligned: an fp8 tile at any other column is an illegal instruction on an H100). Dense: batch ``b``, kv head
     ``h`` at rows ``(b Hkv + h) D``, its tokens from column 0. Packed: kv head ``h`` at rows ``h D``, sequence
     ``s`` from column ``16 (cu[s] // 16 + s)`` (the producer's), which leaves room for every sequence's rounding.
-    Columns between sequences hold no values (zeros on a GPU, left unwritten on the CPU): the consumers zero a tile's
-    columns past its sequence. The copy holds ``N + 16 (B + 1)`` columns a row at most: with sequences of a few
+    Columns between sequences hold zeros (the consumers also zero a tile's columns past its sequence, whatever they
+    hold). The copy holds ``N + 16 (B + 1)`` columns a row at most: with sequences of a few
     tokens, several times ``v``'s bytes. On a GPU kernels make it (:func:`_transpose_sequences_kernel`; PyTorch's
     ``searchsorted`` and ``index_put``, the CPU's way, took 25 times as long on an H100)."""
     if cu_seqlens_k is None:
@@ -493,6 +493,7 @@ def _transposed_values(v: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> to
                tokens=tokens, width=width, heads=heads, stride_st=v.stride(0), stride_sh=v.stride(1),
                stride_dd=vt.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_C=block_c, num_warps=4)
     else:
+        vt.zero_()
         token = torch.arange(tokens, device=v.device, dtype=cu_seqlens_k.dtype)
         seq = torch.searchsorted(cu_seqlens_k[1:], token, right=True)
         # Clamped: cumulative lengths unchecked on the host must not send a token out of the copy.

@@ -13,6 +13,9 @@ call per argument on the hot path. An argument of another kind than the one the 
 raise, and that launch goes through Triton.
 
 Off the GPU (Triton's interpreter) and for argument types it does not know, it is ``kernel[grid](**kwargs)``.
+
+Every kernel of the library is launched here: a call being recorded as a plan (``plans``) learns of its launches
+from this function alone.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ except ImportError:  # a triton without Gluon's Hopper API: no kernel takes desc
 _INT32 = range(-(2**31), 2**31)
 _LOCK = threading.Lock()
 _DESCRIPTOR_FIELDS: dict[type, tuple[str, ...]] = {}
+# ``recorder``: the recorder (``plans``) of the call this thread is recording, to which every launch reports.
+RECORDING = threading.local()
 
 
 class _Uncached(Exception):
@@ -126,6 +131,7 @@ def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
     """``kernel[grid](**kwargs)`` with every kernel parameter given by name (and the launch options, e.g.
     ``num_warps``), without Triton's per-call binding once this key was launched."""
     if not isinstance(kernel, JITFunction):  # the interpreter
+        not_replayable("launches a kernel in Triton's interpreter")
         kernel[grid](**kwargs)
         return
     device = torch.cuda.current_device()
@@ -138,16 +144,28 @@ def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
         key = (device, *sorted((name, kwargs[name]) for name in options), *entry.key(values))
         compiled = entry.compiled.get(key)  # (hashing the key: an unhashable constexpr raises TypeError)
     except (_Uncached, KeyError, AttributeError, TypeError):
+        not_replayable("launches a kernel with arguments the launch key does not take")
         _through_triton(kernel, grid, kwargs, device)  # Triton binds the arguments, or says what is wrong with them
         return
     if compiled is None:
         compiled = _through_triton(kernel, grid, kwargs, device)
         with _LOCK:
             entry.compiled[key] = compiled
-        return
-    if entry.descriptors:
-        ensure_context(device)
-    compiled[(*grid, 1, 1)[:3]](*values)
+        runner = compiled[(*grid, 1, 1)[:3]]
+    else:
+        if entry.descriptors:
+            ensure_context(device)
+        runner = compiled[(*grid, 1, 1)[:3]]
+        runner(*values)
+    if (recorder := getattr(RECORDING, "recorder", None)) is not None:
+        recorder.launched(runner, values, device if entry.descriptors else None)
+
+
+def not_replayable(why: str) -> None:
+    """Tell the recorder of the call being recorded on this thread, if any (``plans``), that the call does something
+    a plan cannot replay."""
+    if (recorder := getattr(RECORDING, "recorder", None)) is not None:
+        recorder.refuse(why)
 
 
 def _through_triton(kernel: JITFunction, grid: tuple[int, ...], kwargs: dict, device: int):
