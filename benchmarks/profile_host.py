@@ -4,8 +4,10 @@ cProfile of two of them, and the block table's time on the presets' batches.
 
     python benchmarks/profile_host.py [--batch 1 500] [--profile] [--tables]
 
-To compare two versions of the code on one machine, run it on each checkout in turn, several times: a shared host's
-figures move by tens of percent between runs minutes apart. Each figure is the median (and the minimum) over 9
+Every call repeats one argument signature: from the third on, the attention calls replay their call plan
+(``blockattn/ops/plans.py``), as a model's layers do on one batch. To compare two versions of the code on one
+machine, run it on each checkout in turn, several times: a shared host's figures move by tens of percent between
+runs minutes apart. Each figure is the median (and the minimum) over 9
 repeats of 300 back-to-back calls and one synchronisation, per call (µs).
 """
 

@@ -13,7 +13,8 @@ blockattn.
 
 Each figure is the median over repeats of ``calls`` back-to-back calls followed by one synchronisation, divided
 by ``calls``: a host-bound call shows its host time, a GPU-bound one its GPU time. The calls of one batch are timed
-in turn within each repeat, so that a slow spell of a shared host falls on all of them alike.
+in turn within each repeat, so that a slow spell of a shared host falls on all of them alike. The eager calls repeat
+one argument signature, as a model's layers do, so from the third on they replay a call plan (``ops.plans``).
 """
 
 from __future__ import annotations
