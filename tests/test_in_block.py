@@ -109,6 +109,43 @@ def test_kernels_random_shapes(lengths, block_size, heads, names, bias_dtype, se
     assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, in_block=options)
 
 
+def _timestamps(pattern: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Times in the orders and spreads the time bias's gradient must take: many ties, rising (a history), falling,
+    and gaps far past fp32's exact integers (int64) or fractional ones (float32)."""
+    if pattern == "ties":
+        times = torch.randint(0, 4, (n,)).double()
+    elif pattern in ("rising", "falling"):
+        times = torch.randint(0, 1200, (n,)).cumsum(0).double()
+        times = times if pattern == "rising" else times.flip(0)
+    else:  # wide
+        times = torch.randint(-(2**40), 2**40, (n,)).double()
+    if dtype == torch.float32:
+        return (times * 0.37).float()
+    return times.clamp(-(2**31), 2**31 - 1).to(dtype)
+
+
+@settings(max_examples=16 if HAS_GPU else 8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pattern=st.sampled_from(["ties", "rising", "falling", "wide"]),
+    timestamps_dtype=st.sampled_from([torch.int64, torch.int32, torch.float32]),
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    block_size=st.sampled_from([16, 32]),
+    num_buckets=st.sampled_from([1, 7, 40]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_time_bias_gradient_any_order_ties_and_spread(pattern, timestamps_dtype, lengths, block_size, num_buckets,
+                                                      seed):
+    """The kernels sum the time bias's gradient over buckets through the keys in time order (a suffix and a prefix
+    per query and bucket): whatever the order, ties and rounding of the times, it matches the reference."""
+    torch.manual_seed(seed)
+    q, k, v, do, offsets = random_inputs(lengths, 2, 1, 16, torch.float32, KERNEL_DEVICE)
+    times = _timestamps(pattern, q.shape[0], timestamps_dtype).to(KERNEL_DEVICE)
+    options = InBlock(timestamps=times, time_bias=torch.randn(2, num_buckets, device=KERNEL_DEVICE),
+                      bucket_width=0.301 if pattern != "wide" else 0.9)
+    results = run_backend("triton", q, k, v, do, offsets, block_size, in_block=options)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, in_block=options)
+
+
 @pytest.mark.parametrize("timestamps_dtype", [torch.int64, torch.float32])
 @pytest.mark.parametrize("width,num_buckets", [(0.301, 20), (in_block.MIN_BUCKET_WIDTH, 40_000)])
 def test_time_buckets_exact_at_the_edges(timestamps_dtype, width, num_buckets):

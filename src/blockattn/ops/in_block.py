@@ -240,6 +240,11 @@ def _keep_factors(start, head, mods, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _bitwise_or(a, b):
+    return a | b
+
+
+@triton.jit
 def _write_bias_grads(ds, bucket, slot_head, write, dpos_ptr, dtime_ptr, num_buckets, BLOCK_SIZE: tl.constexpr,
                       IN_BLOCK: tl.constexpr):
     """One (block, head)'s share of the bias gradients, ``ds = dL/ds(i, j)`` (fp32, zero off the valid pairs),
@@ -259,11 +264,21 @@ def _write_bias_grads(ds, bucket, slot_head, write, dpos_ptr, dtime_ptr, num_buc
         tl.store(base + (BLOCK_SIZE - 1) + offs, upper, mask=written)
         tl.store(base + offs - 1, lower, mask=(offs > 0) & written)
     if TIME_BIAS & IN_BLOCK:
+        # Per bucket present, row sums (within a warp: no barrier), gathered 16 buckets wide and summed over the
+        # rows once per 16; buckets the block lacks (a bit mask per 64) are skipped.
         base = dtime_ptr + slot_head.to(tl.int64) * num_buckets
-        first = tl.min(tl.min(bucket, axis=1), axis=0)
-        last = tl.where(write, tl.max(tl.max(bucket, axis=1), axis=0), first - 1)
-        for b in range(first, last + 1):
-            tl.store(base + b, tl.sum(tl.where(bucket == b, ds, 0.0)))
+        last = tl.where(write, tl.max(tl.max(bucket, axis=1), axis=0), -1)
+        for b0 in range(0, last + 1, 64):
+            bits = tl.where((bucket >= b0) & (bucket < b0 + 64), tl.full(bucket.shape, 1, tl.int64) << (bucket - b0), 0)
+            present = tl.reduce(bits, None, _bitwise_or)
+            for c0 in range(b0, tl.minimum(b0 + 64, last + 1), 16):
+                cols = c0 + tl.arange(0, 16)
+                sums = tl.zeros((BLOCK_SIZE, 16), dtype=tl.float32)
+                for b in range(c0, tl.minimum(c0 + 16, last + 1)):
+                    if (present >> (b - b0)) & 1:
+                        row_sums = tl.sum(tl.where(bucket == b, ds, 0.0), axis=1)
+                        sums = tl.where(cols[None, :] == b, row_sums[:, None], sums)
+                tl.store(base + cols, tl.sum(sums, axis=0), mask=cols <= last)
 
 
 @triton.jit
