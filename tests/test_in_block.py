@@ -135,8 +135,9 @@ def _timestamps(pattern: str, n: int, dtype: torch.dtype) -> torch.Tensor:
 )
 def test_time_bias_gradient_any_order_ties_and_spread(pattern, timestamps_dtype, lengths, block_size, num_buckets,
                                                       seed):
-    """The kernels sum the time bias's gradient over buckets through the keys in time order (a suffix and a prefix
-    per query and bucket): whatever the order, ties and rounding of the times, it matches the reference."""
+    """The kernels sum the time bias's gradient per bucket a block holds (a bit mask of them, 16 buckets' row sums
+    at a time): whatever the order, ties, spread and dtype of the times, and so whichever buckets occur, it matches
+    the reference."""
     torch.manual_seed(seed)
     q, k, v, do, offsets = random_inputs(lengths, 2, 1, 16, torch.float32, KERNEL_DEVICE)
     times = _timestamps(pattern, q.shape[0], timestamps_dtype).to(KERNEL_DEVICE)
