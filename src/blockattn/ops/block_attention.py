@@ -307,8 +307,8 @@ def _block_attention_fwd_kernel(
     stride_vn, stride_vh, stride_vd,
     stride_on, stride_oh, stride_od,
     stride_sn, stride_sd,
-    pos_bias_ptr, stride_pbh, stride_pbw, timestamps_ptr, stride_ts, time_bias_ptr, stride_tbh, stride_tbb,
-    edges_ptr, num_buckets, bucket_scale, seed_ptr, keep_threshold, keep_scale,
+    pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh, stride_tbb,
+    num_buckets, seed_ptr, keep_threshold, keep_scale,
     q_descale_ptr, k_descale_ptr, v_descale_ptr, out_scale_ptr,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -338,8 +338,8 @@ def _block_attention_fwd_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     o_base = o_ptr + head * stride_oh
-    mods = (pos_bias_ptr, stride_pbh, stride_pbw, timestamps_ptr, stride_ts, time_bias_ptr, stride_tbh, stride_tbb,
-            edges_ptr, num_buckets, bucket_scale, seed_ptr, keep_threshold, keep_scale)
+    mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
+            stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
 
     out_factor = 1.0
     if FP8:
@@ -516,8 +516,8 @@ def _block_attention_bwd_kernel(
     stride_dkn, stride_dkh, stride_dkd,
     stride_dvn, stride_dvh, stride_dvd,
     stride_sn, stride_sd,
-    pos_bias_ptr, stride_pbh, stride_pbw, timestamps_ptr, stride_ts, time_bias_ptr, stride_tbh, stride_tbb,
-    edges_ptr, num_buckets, bucket_scale, seed_ptr, keep_threshold, keep_scale,
+    pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh, stride_tbb,
+    num_buckets, seed_ptr, keep_threshold, keep_scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLICES_PER_PROGRAM: tl.constexpr, ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, WIDE_STORES: tl.constexpr,
@@ -546,8 +546,8 @@ def _block_attention_bwd_kernel(
     v_base = v_ptr + kv_head * stride_vh
     dk_base = dk_ptr + kv_head * stride_dkh
     dv_base = dv_ptr + kv_head * stride_dvh
-    mods = (pos_bias_ptr, stride_pbh, stride_pbw, timestamps_ptr, stride_ts, time_bias_ptr, stride_tbh, stride_tbb,
-            edges_ptr, num_buckets, bucket_scale, seed_ptr, keep_threshold, keep_scale)
+    mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
+            stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
     if ROTATE:
         _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, start, slot, rows, row_ok,
                           kv_head, first_slice, head_dim, scale, qk_scale_log2,
@@ -710,6 +710,18 @@ def _table_args(offsets: torch.Tensor, table: BlockTable) -> dict:
             "num_seqs": offsets.numel() - 1}
 
 
+def _in_block_args(offsets: torch.Tensor, table: BlockTable, block_size: int, options: InBlock,
+                   like: torch.Tensor) -> dict:
+    """The attention kernels' in-block arguments; with a time bias, after launching the kernel that fills the
+    call's table of time buckets."""
+    if options.time_bias is None:
+        return in_block.kernel_args(options, like)
+    args = in_block.bucket_table_args(options, like.shape[0], block_size)
+    launch(in_block.bucket_table_kernel, (table.num_slots,), **args, **_table_args(offsets, table),
+           num_tokens=like.shape[0], num_warps=4)
+    return in_block.kernel_args(options, like, args["buckets_ptr"])
+
+
 def block_attention_fwd_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -756,7 +768,7 @@ def block_attention_fwd_triton(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **_table_args(offsets, table),
         num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
-        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q),
+        stride_sn=stride_sn, stride_sd=stride_sd, **_in_block_args(offsets, table, block_size, options, q),
         **(fp8.no_scales_args(q) if fp8_scales is None else fp8_scales.kernel_args()), FP8=fp8_scales is not None,
         FP8_QK=fp8_qk_possible and fp8_dot is not False,
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_SIZE=block_size,
@@ -861,7 +873,8 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     launch(
         _block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
         **tensors, sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], **common, **strides,
-        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.kernel_args(options, q), NUM_KV_HEADS=hkv, GROUP=group,
+        stride_sn=stride_sn, stride_sd=stride_sd, **_in_block_args(offsets, table, block_size, options, q),
+        NUM_KV_HEADS=hkv, GROUP=group,
         NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
         GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
         INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in grads),

@@ -5,10 +5,11 @@ Here are the tile helpers the Triton kernels call, the host side that turns the 
 the two pieces the PyTorch path and the tests must share with the kernels bit for bit: the time buckets' edges and
 the dropout stream (Philox 4x32-10, Triton's ``tl.philox``, and its PyTorch twin :func:`dropout_keep`).
 
-Time buckets: ``bucket(dt) = min(B - 1, floor(ln(max(|dt|, 1)) / width))``, ``dt`` rounded to fp32 first. The
-kernels estimate it with a fast ``log2`` and correct the estimate by one step against a table of edges
-(``edges[k]`` the smallest fp32 ``>= exp(k * width)``), so they agree exactly with the definition on every fp32
-``|dt|``: ``bucket(a) >= k`` exactly when ``a >= edges[k]``.
+Time buckets: ``bucket(dt) = min(B - 1, floor(ln(max(|dt|, 1)) / width))``, ``dt`` rounded to fp32 first. A
+kernel run once per call (``bucket_table_kernel``) estimates it with a fast ``log2`` and corrects the estimate by
+one step against a table of edges (``edges[k]`` the smallest fp32 ``>= exp(k * width)``), so it agrees exactly with
+the definition on every fp32 ``|dt|``: ``bucket(a) >= k`` exactly when ``a >= edges[k]``. It writes each block's
+``BS x BS`` buckets to a table that every head's program, forward and backward, reads.
 
 Dropout: the word of key ``j`` of query ``i`` of a block starting at token ``start``, head ``h``, is output
 ``j % 4`` of ``philox(seed, c0 = i * BS / 4 + j // 4, c1 = start, c2 = h, c3 = 0)``; the probability is kept when
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import LOG2E, in_block_rows, softmax_probs
+from .tiles import LOG2E, block_bounds, in_block_rows, softmax_probs
 
 # Kernels read globals only as constexprs.
 _LOG2E = tl.constexpr(LOG2E)
@@ -132,28 +133,25 @@ def dropout_keep(seed: int | torch.Tensor, starts: torch.Tensor, num_heads: int,
     return word >= InBlock(dropout_p=dropout_p).keep_threshold()
 
 
-_POINTERS = ("pos_bias_ptr", "timestamps_ptr", "time_bias_ptr", "edges_ptr", "seed_ptr")
+_POINTERS = ("pos_bias_ptr", "buckets_ptr", "time_bias_ptr", "seed_ptr")
 
 
-def kernel_args(options: InBlock, like: torch.Tensor) -> dict:
-    """The kernels' in-block arguments; absent tensors are stood in for by ``like`` (never read)."""
+def kernel_args(options: InBlock, like: torch.Tensor, buckets: torch.Tensor | None = None) -> dict:
+    """The attention kernels' in-block arguments; absent tensors are stood in for by ``like`` (never read).
+    ``buckets``: the time buckets' table of the call (:func:`bucket_table_args` fills it), with a time bias."""
     if options.bits == 0:  # the plain op: constant scalars (built once, as every call reads them)
         return {**_PLAIN_SCALARS, **dict.fromkeys(_POINTERS, like)}
-    pos, times, bias = options.pos_bias, options.timestamps, options.time_bias
-    num_buckets = bias.shape[1] if bias is not None else 1
-    edges = bucket_edges(num_buckets, options.bucket_width, like.device) if bias is not None else like
+    pos, bias = options.pos_bias, options.time_bias
     return {
         "pos_bias_ptr": pos if pos is not None else like,
         "stride_pbh": pos.stride(0) if pos is not None else 0,
         "stride_pbw": pos.stride(1) if pos is not None else 0,
-        "timestamps_ptr": times if times is not None else like,
-        "stride_ts": times.stride(0) if times is not None else 0,
+        "buckets_ptr": buckets if bias is not None else like,
+        "stride_bucket_row": buckets.stride(0) if bias is not None else 0,
         "time_bias_ptr": bias if bias is not None else like,
         "stride_tbh": bias.stride(0) if bias is not None else 0,
         "stride_tbb": bias.stride(1) if bias is not None else 0,
-        "edges_ptr": edges,
-        "num_buckets": num_buckets,
-        "bucket_scale": math.log(2) / options.bucket_width,
+        "num_buckets": bias.shape[1] if bias is not None else 1,
         "seed_ptr": options.seed if options.seed is not None else like,
         "keep_threshold": options.keep_threshold(),
         "keep_scale": 1.0 / (1.0 - options.dropout_p),
@@ -165,6 +163,23 @@ def kernel_args(options: InBlock, like: torch.Tensor) -> dict:
 # that branch), with the plain op's mask.
 _PLAIN_SCALARS = {name: value for name, value in kernel_args(InBlock(causal=True), torch.empty(0)).items()
                   if name not in _POINTERS} | {"IN_BLOCK": 0}
+
+
+def bucket_table_args(options: InBlock, num_tokens: int, block_size: int) -> dict:
+    """The time buckets' table of a call with a time bias and the arguments of the kernel that fills it
+    (``bucket_table_kernel``; the table is its ``buckets_ptr``): ``[N, BS]``, row ``start + i`` holding the
+    buckets of query ``i`` of the block that starts at token ``start`` against each key of the block (uint8; int32
+    past 256 buckets, and for 16-token blocks, whose 16 x 16 uint8 tile Triton 3.6 miscompiles beside the dropout
+    words: wrong outputs on an H100). Built once per call, it saves every head's program, forward and backward, the
+    logarithms and edge lookups of ``BS**2`` pairs."""
+    times, num_buckets = options.timestamps, options.time_bias.shape[1]
+    dtype = torch.uint8 if num_buckets <= 256 and block_size > 16 else torch.int32
+    return {
+        "buckets_ptr": times.new_empty(num_tokens, block_size, dtype=dtype),
+        "timestamps_ptr": times, "stride_ts": times.stride(0),
+        "edges_ptr": bucket_edges(num_buckets, options.bucket_width, times.device), "num_buckets": num_buckets,
+        "bucket_scale": math.log(2) / options.bucket_width, "BLOCK_SIZE": block_size,
+    }
 
 
 def bias_grad_partials(options: InBlock, num_slots: int, block_size: int,
@@ -187,12 +202,10 @@ def summed_bias_grads(options: InBlock, partials: tuple[torch.Tensor, torch.Tens
 
 
 @triton.jit
-def _time_buckets(rows, row_ok, mods):
+def _time_buckets(rows, row_ok, timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale):
     """``[BS, BS]`` int32 buckets of ``|t_j - t_i|`` for query rows ``i`` and key rows ``j`` of one block: a fast
     log2 estimate, corrected by one step against ``edges`` (exact on every fp32 ``|dt|``). Rows past the block's
-    end read its first row: their buckets stay among the block's own (the gradient loops over that range).
-    ``mods``: the kernels' in-block arguments (:func:`kernel_args`) as one tuple."""
-    timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale = mods[3], mods[4], mods[8], mods[9], mods[10]
+    end read its first row: their buckets stay among the block's own (the gradient loops over that range)."""
     t = tl.load(timestamps_ptr + in_block_rows(rows, row_ok) * stride_ts)
     if t.dtype.is_floating():
         dt = tl.abs(t[None, :].to(tl.float32) - t[:, None].to(tl.float32))
@@ -204,6 +217,29 @@ def _time_buckets(rows, row_ok, mods):
     guess = tl.minimum(tl.maximum(tl.log2(a) * bucket_scale - 0.5, 0.0).to(tl.int32), num_buckets - 1)
     above = a >= tl.load(edges_ptr + guess + 1)
     return tl.minimum(guess + above.to(tl.int32), num_buckets - 1)
+
+
+@triton.jit
+def bucket_table_kernel(buckets_ptr, timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale,
+                         block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr):
+    # One program per block: its buckets, query i's at row start + i of the table (bucket_table_args).
+    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, tl.program_id(0), num_seqs, num_tokens,
+                                 BLOCK_SIZE)
+    if length <= 0:
+        return
+    offs = tl.arange(0, BLOCK_SIZE)
+    row_ok = offs < length
+    rows = start + offs
+    bucket = _time_buckets(rows, row_ok, timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale)
+    tl.store(buckets_ptr + rows.to(tl.int64)[:, None] * BLOCK_SIZE + offs[None, :],
+             bucket.to(buckets_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _bucket_tile(rows, row_ok, mods, BLOCK_SIZE: tl.constexpr):
+    """``[BS, BS]`` int32 buckets of one block from the call's table (rows past the block's end: its first row's)."""
+    rows = in_block_rows(rows, row_ok).to(tl.int64)
+    return tl.load(mods[3] + rows[:, None] * mods[4] + tl.arange(0, BLOCK_SIZE)[None, :]).to(tl.int32)
 
 
 @triton.jit
@@ -227,7 +263,7 @@ def _score_bias(head, bucket, mods, BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.const
 def _keep_factors(start, head, mods, BLOCK_SIZE: tl.constexpr):
     """``[BS, BS]`` dropout factors of one (block, head): ``1 / (1 - p)`` where the probability is kept, 0 where it
     is dropped. Four words per Philox call, interleaved along the keys."""
-    seed_ptr, keep_threshold, keep_scale = mods[11], mods[12], mods[13]
+    seed_ptr, keep_threshold, keep_scale = mods[9], mods[10], mods[11]
     QUARTER: tl.constexpr = BLOCK_SIZE // 4
     c0 = (tl.arange(0, BLOCK_SIZE)[:, None] * QUARTER + tl.arange(0, QUARTER)[None, :]).to(tl.uint32)
     zero = c0 * 0
@@ -287,7 +323,7 @@ def block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SI
     """The forward's probabilities of one (block, head), fp32: the softmax of the scaled, biased, masked scores,
     times the dropout factors. ``mods``: the kernels' in-block arguments (:func:`kernel_args`) as one tuple."""
     if TIME_BIAS & IN_BLOCK:
-        bucket = _time_buckets(rows, row_ok, mods)
+        bucket = _bucket_tile(rows, row_ok, mods, BLOCK_SIZE)
     else:
         bucket = rows  # not read
     if (CAUSAL | POS_BIAS | TIME_BIAS) & IN_BLOCK:
@@ -308,7 +344,7 @@ def block_probs_and_grads(scores, dp, start, head, slot_head, write_bias_grads, 
     undropped probabilities) is ``dO V^T`` times the same factors. Where ``write_bias_grads``, the block's share of
     the bias gradients goes to row ``slot_head`` of the partial buffers."""
     if TIME_BIAS & IN_BLOCK:
-        bucket = _time_buckets(rows, row_ok, mods)
+        bucket = _bucket_tile(rows, row_ok, mods, BLOCK_SIZE)
     else:
         bucket = rows  # not read
     if (CAUSAL | POS_BIAS | TIME_BIAS) & IN_BLOCK:
@@ -320,7 +356,7 @@ def block_probs_and_grads(scores, dp, start, head, slot_head, write_bias_grads, 
         dp = dp * keep
     ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
     if (POS_BIAS | TIME_BIAS) & IN_BLOCK:
-        _write_bias_grads(ds, bucket, slot_head, write_bias_grads, dpos_ptr, dtime_ptr, mods[9], BLOCK_SIZE, IN_BLOCK)
+        _write_bias_grads(ds, bucket, slot_head, write_bias_grads, dpos_ptr, dtime_ptr, mods[8], BLOCK_SIZE, IN_BLOCK)
     if DROPOUT & IN_BLOCK:
         p = p * keep
     return p.to(dtype), (ds * ds_scale).to(dtype)
