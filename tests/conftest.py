@@ -27,6 +27,7 @@ from blockattn.reference import block_attention_reference, rotary_reference
 HAS_GPU = torch.cuda.is_available()
 KERNEL_DEVICE = "cuda" if HAS_GPU else "cpu"
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+ON_HOPPER = HAS_GPU and torch.cuda.get_device_capability()[0] == 9
 BLOCK_SIZES = [16, 32, 64, 128]
 # Triton's interpreter gets bf16 wrong (tl.dot returns garbage, conversions truncate instead of rounding): bf16
 # kernels are tested on the GPU only.

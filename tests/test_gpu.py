@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import (
     BLOCK_SIZES,
-    HAS_GPU,
+    ON_HOPPER,
     assert_within_2x_pytorch,
     capture_cuda_graph,
     make_offsets,
@@ -32,7 +32,6 @@ from blockattn.ops.tiles import ROTATE_ALL
 from blockattn.reference import rotary_reference, snr_db
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
-ON_HOPPER = HAS_GPU and torch.cuda.get_device_capability()[0] == 9
 
 
 @pytest.fixture

@@ -2,12 +2,15 @@
 every backend through its launchers (Triton's interpreter on CPU, the real kernels on a GPU), the public ops with
 autograd, the dropout stream, torch.compile, CUDA graphs."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import (
     BLOCK_SIZES,
     HAS_GPU,
     KERNEL_DEVICE,
+    ON_HOPPER,
     assert_within_2x_pytorch,
     capture_cuda_graph,
     make_offsets,
@@ -372,14 +375,6 @@ def test_flop_counter_counts_causal_pairs():
     assert counts[torch.ops.blockattn.block_attention_bwd] == 10 * pairs * 2 * 16
 
 
-def test_dispatcher_sends_options_to_the_triton_kernels():
-    call = backends.AttentionCall(pass_name="bwd", device=torch.device("cuda", 0), dtype=torch.bfloat16,
-                                  num_heads=4, num_kv_heads=4, head_dim=128, block_size=64,
-                                  in_block=in_block.CAUSAL.value)
-    if backends.sm90_ops is not None:
-        assert "in-block" in backends.sm90_ops.why_not(call)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: bf16, the accuracy contract, CUDA graphs, compile.
 # ---------------------------------------------------------------------------------------------------------------
@@ -411,23 +406,44 @@ def test_gpu_gqa_rotary_all_options(heads, rotary, poisoned_outputs):
 
 
 @requires_gpu
-def test_gpu_public_op_deterministic_and_dispatch(monkeypatch):
-    """The public op on the production shape: the options go to the Triton kernels (never the Hopper backward),
-    and every gradient is bitwise reproducible."""
+@pytest.mark.parametrize("names,heads", [("all", (4, 4)), ("causal+pos+dropout", (4, 4)),
+                                         ("causal+pos+dropout", (4, 2))])
+def test_gpu_public_op_deterministic_and_dispatch(names, heads, monkeypatch):
+    """The public op on the production shape: on Hopper the Gluon backward takes every option but the time bias,
+    without GQA; the Triton kernels take the rest (and everything on other GPUs). Every gradient is bitwise
+    reproducible."""
+    expected = "sm90-gluon" if ON_HOPPER and "time" not in names and names != "all" and heads[0] == heads[1] \
+        else "triton"
     calls = []
-    triton_backend = backends.BACKENDS["triton"]
-    import dataclasses
-
-    monkeypatch.setitem(backends.BACKENDS, "triton", dataclasses.replace(
-        triton_backend, backward=lambda *args: calls.append(1) or triton_backend.backward(*args)))
-    q, k, v, do, offsets = random_inputs([1400, 900, 63], 4, 4, 128, torch.bfloat16, "cuda")
-    options = make_options("all", 4, 64, q.shape[0], "cuda")
+    backend = backends.BACKENDS[expected]
+    monkeypatch.setitem(backends.BACKENDS, expected, dataclasses.replace(
+        backend, backward=lambda *args: calls.append(1) or backend.backward(*args)))
+    q, k, v, do, offsets = random_inputs([1400, 900, 63], *heads, 128, torch.bfloat16, "cuda")
+    options = make_options(names, heads[0], 64, q.shape[0], "cuda")
     torch.manual_seed(1)
     first = public_grads(q, k, v, do, offsets, 64, options)
     torch.manual_seed(1)
     again = public_grads(q, k, v, do, offsets, 64, options)
     assert calls == [1, 1]
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("names", ["causal", "pos", "dropout", "causal+pos+dropout"])
+@pytest.mark.parametrize("head_dim,dtype", [(32, torch.float16), (64, torch.bfloat16), (128, torch.bfloat16)])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_gpu_sm90_backward_with_options(names, head_dim, dtype, rotary, poisoned_outputs):
+    """The Hopper backward with the options it takes, alone and together, plain and with a fused rotary, on odd
+    lengths, after the Triton forward (the dropout mask regenerated the same): the accuracy contract, the bias
+    gradient included."""
+    q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 129], 4, 4, head_dim, dtype, "cuda")
+    sinu_pos = random_angles(q.shape[0], head_dim, device="cuda") if rotary else None
+    rotate = ROTATE_ALL if rotary else 0
+    options = make_options(names, 4, 64, q.shape[0], "cuda")
+    out = run_backend("triton", q, k, v, do, offsets, 64, sinu_pos, rotate, in_block=options)[0]
+    grads = run_backend("sm90-gluon", q, k, v, do, offsets, 64, sinu_pos, rotate, in_block=options)[1:]
+    assert_within_2x_pytorch((out, *grads), q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=rotate,
+                             in_block=options)
 
 
 @requires_gpu

@@ -18,9 +18,11 @@ halves (``ops.rotary``): operands are rotated right after loading, gradients tur
 The in-block options (``IN_BLOCK``, a mask of ``ops.in_block``'s bits: causal mask, position and time biases,
 dropout) change the score tile between the products and the softmax (``ops.in_block.block_probs`` and
 ``block_probs_and_grads``); they run in the forward and the one-block backward (the persistent backward takes none).
+With a time bias a kernel first writes the call's table of time buckets (``ops.in_block.bucket_table_kernel``).
 
 On Hopper GPUs the dispatcher (``backends``) sends the backward of 64-token blocks at D = 32, 64 and 128 (16-bit,
-with or without GQA), plain or rotary, to Gluon kernels instead (``block_attention_sm90``). The PyTorch path is in
+with or without GQA), plain or rotary, and without GQA with the in-block options but the time bias, to Gluon
+kernels instead (``block_attention_sm90``). The PyTorch path is in
 ``block_attention_torch``.
 """
 
@@ -421,8 +423,8 @@ def _bwd_rotary_slice(q_base, k_base, v_base, do_base, sinu_ptr, rows_in, row_ok
 
 
 @triton.jit
-def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, start, slot, rows, row_ok,
-                      kv_head, first_slice, head_dim, scale, qk_scale_log2,
+def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, start, length, slot, rows,
+                      row_ok, kv_head, first_slice, head_dim, scale, qk_scale_log2,
                       stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
                       stride_dkn, stride_dvn, stride_sn, stride_sd, mods, dpos_ptr, dtime_ptr,
                       GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
@@ -458,9 +460,9 @@ def _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, s
                     stride_qn, stride_kn, stride_vn, stride_don, stride_sn, stride_sd, PAIRS, ROTATE, INLINE_ASM)
                 scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
                 dp = _pair_dot(do_even, do_odd, v_even, v_odd, dp, DOT_PRECISION)
-        p, ds = block_probs_and_grads(scores, dp, start, head, slot * NUM_Q_HEADS + head, first_slice == 0, rows,
-                                      row_ok, qk_scale_log2, scale, q_ptr.dtype.element_ty, mods, dpos_ptr,
-                                      dtime_ptr, BLOCK_SIZE, IN_BLOCK)
+        p, ds = block_probs_and_grads(scores, dp, start, length, head, slot * NUM_Q_HEADS + head, first_slice == 0,
+                                      qk_scale_log2, scale, q_ptr.dtype.element_ty, mods, dpos_ptr, dtime_ptr,
+                                      BLOCK_SIZE, IN_BLOCK)
         for i in range(SLICES_PER_PROGRAM):
             pair0 = (first_slice + i) * PAIRS
             cols = column_mask(pair0, half, PAIRS, EVEN_D)
@@ -549,8 +551,8 @@ def _block_attention_bwd_kernel(
     mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
             stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
     if ROTATE:
-        _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, start, slot, rows, row_ok,
-                          kv_head, first_slice, head_dim, scale, qk_scale_log2,
+        _bwd_rotary_block(q_ptr, do_ptr, dq_ptr, k_base, v_base, dk_base, dv_base, sinu_ptr, start, length, slot, rows,
+                          row_ok, kv_head, first_slice, head_dim, scale, qk_scale_log2,
                           stride_qn, stride_qh, stride_kn, stride_vn, stride_don, stride_doh, stride_dqn, stride_dqh,
                           stride_dkn, stride_dvn, stride_sn, stride_sd, mods, dpos_ptr, dtime_ptr,
                           GROUP, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, SLICES_PER_PROGRAM, ROTATE,
@@ -576,8 +578,8 @@ def _block_attention_bwd_kernel(
                     q_base, k_base, v_base, do_base, rows, row_ok, c * CHUNK, head_dim, scores, dp,
                     stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_don, stride_dod,
                     CHUNK, EVEN_D, DOT_PRECISION)
-        p, ds = block_probs_and_grads(scores, dp, start, head, slot * (NUM_KV_HEADS * GROUP) + head, first_slice == 0,
-                                      rows, row_ok, qk_scale_log2, 1.0, q_ptr.dtype.element_ty, mods, dpos_ptr,
+        p, ds = block_probs_and_grads(scores, dp, start, length, head, slot * (NUM_KV_HEADS * GROUP) + head,
+                                      first_slice == 0, qk_scale_log2, 1.0, q_ptr.dtype.element_ty, mods, dpos_ptr,
                                       dtime_ptr, BLOCK_SIZE, IN_BLOCK)
         for i in range(SLICES_PER_PROGRAM):
             col0 = (first_slice + i) * CHUNK

@@ -12,6 +12,12 @@ of its pairs, staged in the tiles that are no longer read, and stored 16 bytes p
 Under GQA, one program per (block, kv head): k and v land and turn once, the group's query heads run in turn with
 the next head's q and dO landing in a second buffer, and dk and dv accumulate in registers across the group.
 
+Without GQA the kernel takes the in-block options but the time bias (causal mask, position bias, dropout): the
+Triton kernels' own tile code (``in_block.tile_probs_and_grads``) runs on the score tile in the products' layout,
+the dropout's Philox words computed while the products run and brought to that layout, and the position bias's
+gradient gathering dS along rows that each sit in one warp. At ``ads`` (H100, bf16) their backward costs 1.00x
+(causal, dropout) and 1.04x (position bias) the plain one, against 1.11-1.23x in the Triton one-block kernel.
+
 Measured against the Triton kernels they replace (docs/benchmarks.md, times over the memory floor): without GQA,
 the rotary backward at the ``ads-rotary`` shape 1.18x -> 1.05x on an H100 and 1.45x -> 1.30x on an H200, the plain
 backward on an H200 1.12x -> 1.01x (``ads``); under GQA at ``ads`` lengths, D = 128, 2 to 8 query heads per kv
@@ -35,8 +41,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..block_table import BlockTable
+from . import in_block
 from .gluon_sm90 import barrier, tma_load
-from .in_block import InBlock
+from .in_block import DROPOUT, TIME_BIAS, InBlock, dropout_factors, tile_probs_and_grads
 from .launch import launch
 from .tiles import (
     LOG2E,
@@ -52,6 +59,11 @@ from .tiles import (
 _BLOCK_SIZE = 64
 _HEAD_DIMS = (32, 64, 128)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+# The dropout's Philox calls, [BS, BS / 4] (four words each, interleaved along the keys): rows over 8 lanes and
+# the 4 warps, 4 calls a thread along the row (in_block.dropout_factors).
+_CALLS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
+# The position bias's gradient gathers dS along its rows: with each row in one warp, on shuffles.
+_ROWS_IN_WARPS = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0]))
 
 
 @gluon.jit
@@ -130,17 +142,42 @@ def _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK: gl.conste
 
 
 @gluon.jit
-def _probs_and_grads(q, k, v, do, length, scale, qk_scale_log2, scores_layout: gl.constexpr):
-    """``(P, dS)`` of one (block, query head) in the inputs' dtype from the landed tiles, ``dS`` times ``scale``."""
+def _rows_in_warps(ds, offs_i, offs_j):
+    """``ds`` and its row and column offsets in ``_ROWS_IN_WARPS`` (``in_block._write_bias_grads``' diagonals)."""
+    BLOCK: gl.constexpr = ds.shape[0]
+    return (gl.convert_layout(ds, _ROWS_IN_WARPS), gl.arange(0, BLOCK, layout=gl.SliceLayout(1, _ROWS_IN_WARPS)),
+            gl.arange(0, BLOCK, layout=gl.SliceLayout(0, _ROWS_IN_WARPS)))
+
+
+@gluon.jit
+def _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scale_log2, mods, dpos_ptr, dtime_ptr,
+                     scores_layout: gl.constexpr, IN_BLOCK: gl.constexpr):
+    """``(P, dS)`` of one (block, query head) in the inputs' dtype from the landed tiles, ``dS`` times ``scale``.
+    With in-block options (``IN_BLOCK``, arguments ``mods``: ``in_block.kernel_args``; no time bias) the Triton
+    kernels' own tile code runs on this kernel's layouts, and the block's share of the bias gradients goes to row
+    ``slot_head`` of the partial buffers."""
     BLOCK: gl.constexpr = q.shape[0]
     zeros = gl.zeros([BLOCK, BLOCK], gl.float32, scores_layout)
     scores = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)
     dp = warpgroup_mma(do, v.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    if DROPOUT & IN_BLOCK:  # the Philox words while the products run
+        call_rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, _CALLS_LAYOUT))
+        call_cols = gl.arange(0, BLOCK // 4, layout=gl.SliceLayout(0, _CALLS_LAYOUT))
+        keep = gl.convert_layout(dropout_factors(start, head, mods, call_rows, call_cols, BLOCK), scores_layout)
+    else:
+        keep = 1.0  # not read
     scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(scores, dp))
-    key_ok = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout)) < length
-    p = softmax_probs(scores, key_ok, qk_scale_log2)
-    ds = grad_scores(p, dp, q.dtype, scale)  # before P is rounded: p and dp die sooner
-    return p.to(q.dtype), ds
+    offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
+    if IN_BLOCK:
+        offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
+        p, ds = tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, length > 0, offs_i, offs_j,
+                                     qk_scale_log2, scale, q.dtype, mods, dpos_ptr, dtime_ptr, BLOCK, IN_BLOCK,
+                                     _rows_in_warps)
+    else:
+        p = softmax_probs(scores, offs_j < length, qk_scale_log2)
+        ds = grad_scores(p, dp, q.dtype, scale)  # before P is rounded: p and dp die sooner
+        p = p.to(q.dtype)
+    return p, ds
 
 
 @gluon.jit
@@ -149,9 +186,12 @@ def _block_attention_bwd_sm90_kernel(
     block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_tokens, scale, qk_scale_log2,
     stride_dqn, stride_dkn, stride_dvn, stride_sn, stride_sd,
-    NUM_HEADS: gl.constexpr, ROTATE: gl.constexpr,
+    dpos_ptr, dtime_ptr, pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr,
+    stride_tbh, stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale,
+    NUM_HEADS: gl.constexpr, ROTATE: gl.constexpr, IN_BLOCK: gl.constexpr,
 ):
     # Heads vary fastest, as in the Triton kernels. ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the rotated operands.
+    # IN_BLOCK: the in-block options, as in the Triton kernels (their arguments ``mods``), the time bias excepted.
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -165,6 +205,8 @@ def _block_attention_bwd_sm90_kernel(
     head = pid % NUM_HEADS
     start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, pid // NUM_HEADS, num_seqs, num_tokens,
                                  BLOCK)
+    mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
+            stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
     if length > 0:
         tiles = gl.allocate_shared_memory(dtype, [4, BLOCK, D], q_desc.layout)
         probs = gl.allocate_shared_memory(dtype, [BLOCK, BLOCK], gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK],
@@ -195,7 +237,8 @@ def _block_attention_bwd_sm90_kernel(
         _prepare_tile(do, sin, cos, row_ok, grad_layout, 0, partial)
         fence_async_shared()
 
-        p, ds = _probs_and_grads(q, k, v, do, length, scale, qk_scale_log2, scores_layout)
+        p, ds = _probs_and_grads(q, k, v, do, start, length, head, pid, scale, qk_scale_log2, mods, dpos_ptr,
+                                 dtime_ptr, scores_layout, IN_BLOCK)
         probs.store(p)
         fence_async_shared()
         zeros = gl.zeros([BLOCK, D], gl.float32, grad_layout)
@@ -241,7 +284,10 @@ def _block_attention_bwd_sm90_gqa_kernel(
     block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_tokens, scale, qk_scale_log2,
     stride_dqn, stride_dkn, stride_dvn, stride_sn, stride_sd,
+    dpos_ptr, dtime_ptr, pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr,
+    stride_tbh, stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, ROTATE: gl.constexpr, PARTS: gl.constexpr,
+    IN_BLOCK: gl.constexpr,
 ):
     # One program per (block, kv head), kv heads fastest: k and v land (and turn) once, then the GROUP query heads
     # that share them run in turn, the next head's q and dO landing in a second buffer while this one computes.
@@ -262,6 +308,8 @@ def _block_attention_bwd_sm90_gqa_kernel(
     kv_head = pid % NUM_KV_HEADS
     start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, pid // NUM_KV_HEADS, num_seqs,
                                  num_tokens, BLOCK)
+    mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
+            stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
     if length > 0:
         kv = gl.allocate_shared_memory(dtype, [2, BLOCK, D], k_desc.layout)
         heads = gl.allocate_shared_memory(dtype, [4, BLOCK, D], q_desc.layout)  # q, dO of buffer 0, then 1
@@ -311,7 +359,9 @@ def _block_attention_bwd_sm90_gqa_kernel(
                 _prepare_tile(do.slice(c * W, W, dim=1), q_sin, q_cos, q_row_ok, part_layout, 0, partial)
             fence_async_shared()
 
-            p, ds = _probs_and_grads(q, k, v, do, length, scale, qk_scale_log2, scores_layout)
+            head = kv_head * GROUP + g
+            p, ds = _probs_and_grads(q, k, v, do, start, length, head, (pid // NUM_KV_HEADS) * NUM_KV_HEADS * GROUP + head,
+                                     scale, qk_scale_log2, mods, dpos_ptr, dtime_ptr, scores_layout, IN_BLOCK)
             probs.store(p)
             fence_async_shared()
             dv0, dv1 = _product_parts(probs.permute((1, 0)), do, dv0, dv1, PARTS)
@@ -344,11 +394,13 @@ def _block_attention_bwd_sm90_gqa_kernel(
 def why_not(call) -> str | None:
     """Why these kernels do not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: they take
     64-token blocks at D = 32, 64 or 128, with or without GQA, 16-bit inputs that TMA can read and gradients laid
-    out as ``[N, H * D]`` rows, with or without a rotary, and none of the in-block options (causal, biases,
-    dropout). A rotary at D = 64 with two query heads per kv head stays with the Triton kernels: 1.69x and 1.76x
-    the floor there against 1.81x and 1.84x here (4:2 and 8:4, H100, `ads` lengths, fp32 angles)."""
-    if call.in_block:
-        return "takes none of the in-block options (causal, biases, dropout)"
+    out as ``[N, H * D]`` rows, with or without a rotary; without GQA, the in-block options but the time bias.
+    A rotary at D = 64 with two query heads per kv head stays with the Triton kernels: 1.69x and 1.76x the floor
+    there against 1.81x and 1.84x here (4:2 and 8:4, H100, `ads` lengths, fp32 angles)."""
+    if call.in_block & TIME_BIAS.value:
+        return "takes no time bias (the Triton kernels read its table of buckets)"
+    if call.in_block and call.num_heads != call.num_kv_heads:
+        return "takes the in-block options without GQA only"
     if call.block_size != _BLOCK_SIZE or call.head_dim not in _HEAD_DIMS:
         return f"takes {_BLOCK_SIZE}-token blocks at D in {_HEAD_DIMS} only"
     if call.rotate and call.head_dim == 64 and call.num_heads == 2 * call.num_kv_heads:
@@ -374,13 +426,14 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
                              offsets: torch.Tensor, table: BlockTable, block_size: int, scale: float,
                              sinu_pos: torch.Tensor | None, rotate: int, options: InBlock,
                              grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[None, None]:
-    """Write ``(dq, dk, dv)`` into ``grads``, where :func:`why_not` says nothing against the call (the dispatcher's
-    backward signature, ``backends``; ``options`` are then the plain op's, whose biases have no gradient)."""
+    """Write ``(dq, dk, dv)`` into ``grads`` and return the gradients of ``options``' biases (None where absent),
+    where :func:`why_not` says nothing against the call (the dispatcher's backward signature, ``backends``)."""
     n, h, d = q.shape
     kv_heads = k.shape[1]
     dq, dk, dv = grads
+    partials = in_block.bias_grad_partials(options, table.num_slots, block_size, q)
     if table.num_slots == 0:
-        return None, None
+        return in_block.summed_bias_grads(options, partials)
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     if h == kv_heads:
         kernel, heads = _block_attention_bwd_sm90_kernel, {"NUM_HEADS": h}
@@ -397,7 +450,7 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         block_seq_ptr=table.block_seq, block_cum_ptr=table.block_cum, offsets_ptr=offsets,
         num_seqs=offsets.numel() - 1, num_tokens=n, scale=scale, qk_scale_log2=scale * LOG2E,
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
-        stride_sn=stride_sn, stride_sd=stride_sd,
-        **heads, ROTATE=rotate, num_warps=4,
+        stride_sn=stride_sn, stride_sd=stride_sd, dpos_ptr=partials[0], dtime_ptr=partials[1],
+        **in_block.kernel_args(options, q), **heads, ROTATE=rotate, num_warps=4,
     )
-    return None, None
+    return in_block.summed_bias_grads(options, partials)

@@ -235,37 +235,43 @@ def bucket_table_kernel(buckets_ptr, timestamps_ptr, stride_ts, edges_ptr, num_b
              bucket.to(buckets_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
-def _bucket_tile(rows, row_ok, mods, BLOCK_SIZE: tl.constexpr):
-    """``[BS, BS]`` int32 buckets of one block from the call's table (rows past the block's end: its first row's)."""
-    rows = in_block_rows(rows, row_ok).to(tl.int64)
-    return tl.load(mods[3] + rows[:, None] * mods[4] + tl.arange(0, BLOCK_SIZE)[None, :]).to(tl.int32)
+# The tile helpers below take the block's query and key offsets (``offs_i``, ``offs_j``: ``arange(BS)``) from the
+# caller, so that the Gluon backward (block_attention_sm90) runs them on its own layouts (Gluon tensors carry
+# explicit layouts; a helper that made its own ``arange`` or ``zeros`` would have none).
 
 
 @triton.jit
-def _score_bias(head, bucket, mods, BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr):
+def _bucket_tile(start, rows, row_ok, offs_j, mods):
+    """``[BS, BS]`` int32 buckets of one block from the call's table for query ``rows`` (those not ``row_ok``, past
+    the block's end: its first row's)."""
+    rows = tl.where(row_ok, rows, start).to(tl.int64)
+    return tl.load(mods[3] + rows[:, None] * mods[4] + offs_j[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _score_bias(head, bucket, mods, offs_i, offs_j, BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr):
     """What head ``head`` adds to a block's scaled scores, in log2 units (``softmax_probs`` works in base 2):
     ``(pos_bias + time_bias[bucket]) * log2(e)``, ``-inf`` above the diagonal under ``CAUSAL``. (Triton 3.6 cannot
     return None from a function: callers ask only where one of these options is on.)"""
-    offs = tl.arange(0, BLOCK_SIZE)
-    bias = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
+    rel = offs_j[None, :] - offs_i[:, None]
+    bias = (rel * 0).to(tl.float32)  # zeros, in the tile's layout
     if POS_BIAS & IN_BLOCK:
-        rel = offs[None, :] - offs[:, None] + (BLOCK_SIZE - 1)
-        bias += tl.load(mods[0] + head * mods[1] + rel * mods[2]).to(tl.float32) * _LOG2E
+        bias += tl.load(mods[0] + head * mods[1] + (rel + BLOCK_SIZE - 1) * mods[2]).to(tl.float32) * _LOG2E
     if TIME_BIAS & IN_BLOCK:
         bias += tl.load(mods[5] + head * mods[6] + bucket * mods[7]).to(tl.float32) * _LOG2E
     if CAUSAL & IN_BLOCK:
-        bias = tl.where(offs[None, :] > offs[:, None], float("-inf"), bias)
+        bias = tl.where(rel > 0, float("-inf"), bias)
     return bias
 
 
 @triton.jit
-def _keep_factors(start, head, mods, BLOCK_SIZE: tl.constexpr):
+def dropout_factors(start, head, mods, offs_i, offs_quarter, BLOCK_SIZE: tl.constexpr):
     """``[BS, BS]`` dropout factors of one (block, head): ``1 / (1 - p)`` where the probability is kept, 0 where it
-    is dropped. Four words per Philox call, interleaved along the keys."""
+    is dropped. Four words per Philox call, interleaved along the keys: the calls are ``[BS, BS / 4]``, on the
+    query offsets ``offs_i`` and ``offs_quarter = arange(BS / 4)``."""
     seed_ptr, keep_threshold, keep_scale = mods[9], mods[10], mods[11]
     QUARTER: tl.constexpr = BLOCK_SIZE // 4
-    c0 = (tl.arange(0, BLOCK_SIZE)[:, None] * QUARTER + tl.arange(0, QUARTER)[None, :]).to(tl.uint32)
+    c0 = (offs_i[:, None] * QUARTER + offs_quarter[None, :]).to(tl.uint32)
     zero = c0 * 0
     c1 = zero + start.to(tl.uint32)
     c2 = zero + head.to(tl.uint32)
@@ -281,24 +287,25 @@ def _bitwise_or(a, b):
 
 
 @triton.jit
-def _write_bias_grads(ds, bucket, slot_head, write, dpos_ptr, dtime_ptr, num_buckets, BLOCK_SIZE: tl.constexpr,
-                      IN_BLOCK: tl.constexpr):
+def _write_bias_grads(ds, bucket, slot_head, write, dpos_ptr, dtime_ptr, num_buckets, offs_i, offs_j,
+                      BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr, DIAGONALS_TILE: tl.constexpr):
     """One (block, head)'s share of the bias gradients, ``ds = dL/ds(i, j)`` (fp32, zero off the valid pairs),
     into row ``slot_head`` of the partial buffers where ``write``: the sums of ``ds`` along each diagonal ``j - i``
-    (the position bias) and over each time bucket present in the block."""
+    (the position bias; on ``DIAGONALS_TILE(ds, offs_i, offs_j)``, the tile and offsets in the layout that sums
+    them best) and over each time bucket present in the block."""
     if POS_BIAS & IN_BLOCK:
         WIDTH: tl.constexpr = 2 * BLOCK_SIZE - 1
-        offs = tl.arange(0, BLOCK_SIZE)
+        ds, offs_i, offs_j = DIAGONALS_TILE(ds, offs_i, offs_j)
         # skew[i, c] = ds[i, (i + c) % BS]: column c holds diagonal c (i + c < BS) and diagonal c - BS (wrapped).
-        shifted = offs[:, None] + offs[None, :]
+        shifted = offs_i[:, None] + offs_j[None, :]
         wrapped = shifted >= BLOCK_SIZE
         skew = tl.gather(ds, tl.where(wrapped, shifted - BLOCK_SIZE, shifted), axis=1)
         upper = tl.sum(tl.where(wrapped, 0.0, skew), axis=0)
         lower = tl.sum(tl.where(wrapped, skew, 0.0), axis=0)
         base = dpos_ptr + slot_head.to(tl.int64) * WIDTH
-        written = offs < BLOCK_SIZE * write.to(tl.int32)  # all or none
-        tl.store(base + (BLOCK_SIZE - 1) + offs, upper, mask=written)
-        tl.store(base + offs - 1, lower, mask=(offs > 0) & written)
+        written = offs_j < BLOCK_SIZE * write.to(tl.int32)  # all or none
+        tl.store(base + (BLOCK_SIZE - 1) + offs_j, upper, mask=written)
+        tl.store(base + offs_j - 1, lower, mask=(offs_j > 0) & written)
     if TIME_BIAS & IN_BLOCK:
         # Per bucket present, row sums (within a warp: no barrier), gathered 16 buckets wide and summed over the
         # rows once per 16; buckets the block lacks (a bit mask per 64) are skipped.
@@ -322,41 +329,66 @@ def block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SI
                 IN_BLOCK: tl.constexpr):
     """The forward's probabilities of one (block, head), fp32: the softmax of the scaled, biased, masked scores,
     times the dropout factors. ``mods``: the kernels' in-block arguments (:func:`kernel_args`) as one tuple."""
+    offs = tl.arange(0, BLOCK_SIZE)
     if TIME_BIAS & IN_BLOCK:
-        bucket = _bucket_tile(rows, row_ok, mods, BLOCK_SIZE)
+        bucket = _bucket_tile(start, rows, row_ok, offs, mods)
     else:
         bucket = rows  # not read
     if (CAUSAL | POS_BIAS | TIME_BIAS) & IN_BLOCK:
-        p = softmax_probs(scores, row_ok, qk_scale_log2, _score_bias(head, bucket, mods, BLOCK_SIZE, IN_BLOCK))
+        p = softmax_probs(scores, row_ok, qk_scale_log2, _score_bias(head, bucket, mods, offs, offs, BLOCK_SIZE,
+                                                                     IN_BLOCK))
     else:
         p = softmax_probs(scores, row_ok, qk_scale_log2)
     if DROPOUT & IN_BLOCK:
-        p = p * _keep_factors(start, head, mods, BLOCK_SIZE)
+        p = p * dropout_factors(start, head, mods, offs, tl.arange(0, BLOCK_SIZE // 4), BLOCK_SIZE)
     return p
 
 
 @triton.jit
-def block_probs_and_grads(scores, dp, start, head, slot_head, write_bias_grads, rows, row_ok, qk_scale_log2,
-                          ds_scale, dtype: tl.constexpr, mods, dpos_ptr, dtime_ptr,
-                          BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr):
-    """The backward's ``(P, dS)`` of one (block, head) in ``dtype``, ``P`` with the dropout factors applied (it
-    multiplies dO into dV) and ``dS = P * (dP - rowsum(P * dP))`` times ``ds_scale``, where ``dP`` (of the
-    undropped probabilities) is ``dO V^T`` times the same factors. Where ``write_bias_grads``, the block's share of
-    the bias gradients goes to row ``slot_head`` of the partial buffers."""
+def tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write_bias_grads, offs_i, offs_j,
+                         qk_scale_log2, ds_scale, dtype: tl.constexpr, mods, dpos_ptr, dtime_ptr,
+                         BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr, DIAGONALS_TILE: tl.constexpr):
+    """The backward's ``(P, dS)`` of one (block, head) in ``dtype``, ``P`` with the dropout factors ``keep``
+    (:func:`dropout_factors`, read under ``DROPOUT`` only) applied (it multiplies dO into dV) and
+    ``dS = P * (dP - rowsum(P * dP))`` times ``ds_scale``, where ``dP`` (of the undropped probabilities) is
+    ``dO V^T`` times the same factors. Where ``write_bias_grads``, the block's share of the bias gradients goes to
+    row ``slot_head`` of the partial buffers (``DIAGONALS_TILE``: see ``_write_bias_grads``)."""
     if TIME_BIAS & IN_BLOCK:
-        bucket = _bucket_tile(rows, row_ok, mods, BLOCK_SIZE)
+        bucket = _bucket_tile(start, start + offs_i, offs_i < length, offs_j, mods)
     else:
-        bucket = rows  # not read
+        bucket = offs_i  # not read
+    key_ok = offs_j < length
     if (CAUSAL | POS_BIAS | TIME_BIAS) & IN_BLOCK:
-        p = softmax_probs(scores, row_ok, qk_scale_log2, _score_bias(head, bucket, mods, BLOCK_SIZE, IN_BLOCK))
+        p = softmax_probs(scores, key_ok, qk_scale_log2, _score_bias(head, bucket, mods, offs_i, offs_j, BLOCK_SIZE,
+                                                                     IN_BLOCK))
     else:
-        p = softmax_probs(scores, row_ok, qk_scale_log2)
+        p = softmax_probs(scores, key_ok, qk_scale_log2)
     if DROPOUT & IN_BLOCK:
-        keep = _keep_factors(start, head, mods, BLOCK_SIZE)
         dp = dp * keep
     ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
     if (POS_BIAS | TIME_BIAS) & IN_BLOCK:
-        _write_bias_grads(ds, bucket, slot_head, write_bias_grads, dpos_ptr, dtime_ptr, mods[8], BLOCK_SIZE, IN_BLOCK)
+        _write_bias_grads(ds, bucket, slot_head, write_bias_grads, dpos_ptr, dtime_ptr, mods[8], offs_i, offs_j,
+                          BLOCK_SIZE, IN_BLOCK, DIAGONALS_TILE)
     if DROPOUT & IN_BLOCK:
         p = p * keep
     return p.to(dtype), (ds * ds_scale).to(dtype)
+
+
+@triton.jit
+def _as_given(ds, offs_i, offs_j):
+    return ds, offs_i, offs_j
+
+
+@triton.jit
+def block_probs_and_grads(scores, dp, start, length, head, slot_head, write_bias_grads, qk_scale_log2, ds_scale,
+                          dtype: tl.constexpr, mods, dpos_ptr, dtime_ptr, BLOCK_SIZE: tl.constexpr,
+                          IN_BLOCK: tl.constexpr):
+    """:func:`tile_probs_and_grads` in the Triton kernels, whose layouts the compiler picks."""
+    offs = tl.arange(0, BLOCK_SIZE)
+    if DROPOUT & IN_BLOCK:
+        keep = dropout_factors(start, head, mods, offs, tl.arange(0, BLOCK_SIZE // 4), BLOCK_SIZE)
+    else:
+        keep = 1.0  # not read
+    return tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write_bias_grads, offs, offs,
+                                qk_scale_log2, ds_scale, dtype, mods, dpos_ptr, dtime_ptr, BLOCK_SIZE, IN_BLOCK,
+                                _as_given)
