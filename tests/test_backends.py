@@ -77,7 +77,6 @@ def test_fp8_block_attention_needs_fp8_gpus(capability, gpu_capability):
     [({"block_size": 128}, "64-token blocks"), ({"head_dim": 256}, "D in (32, 64, 128)"),
      ({"dtype": torch.float32}, "float16 and bfloat16"), ({"tma_rows": False}, "rows"),
      ({"pass_name": "fwd"}, "no fwd kernel"), ({"in_block": 4}, "no time bias"), ({"in_block": 15}, "no time bias"),
-     ({"in_block": 1, "heads": (4, 2)}, "without GQA only"),
      ({"heads": (4, 2), "head_dim": 64, "rotate": 7}, "no fused rotary at D = 64 with two query heads")],
 )
 def test_hopper_backward_takes_only_its_shape(changes, reason, gpu_capability):
@@ -87,9 +86,8 @@ def test_hopper_backward_takes_only_its_shape(changes, reason, gpu_capability):
             assert select(call(heads=heads, head_dim=head_dim)).name == "sm90-gluon"
             if heads[0] != 2 * heads[1] or head_dim != 64:
                 assert select(call(heads=heads, head_dim=head_dim, rotate=7)).name == "sm90-gluon"
-        for options in (1, 2, 8, 11):  # causal, position bias, dropout, all three: without GQA
-            assert (select(call(heads=heads, head_dim=128, in_block=options)).name
-                    == ("sm90-gluon" if heads[0] == heads[1] else "triton"))
+        for options in (1, 2, 8, 11):  # causal, position bias, dropout, all three
+            assert select(call(heads=heads, head_dim=128, in_block=options)).name == "sm90-gluon"
     other = call(**changes)
     assert reason in BACKENDS["sm90-gluon"].takes(other)
     assert select(other).name == "triton"

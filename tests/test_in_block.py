@@ -410,10 +410,9 @@ def test_gpu_gqa_rotary_all_options(heads, rotary, poisoned_outputs):
                                          ("causal+pos+dropout", (4, 2))])
 def test_gpu_public_op_deterministic_and_dispatch(names, heads, monkeypatch):
     """The public op on the production shape: on Hopper the Gluon backward takes every option but the time bias,
-    without GQA; the Triton kernels take the rest (and everything on other GPUs). Every gradient is bitwise
-    reproducible."""
-    expected = "sm90-gluon" if ON_HOPPER and "time" not in names and names != "all" and heads[0] == heads[1] \
-        else "triton"
+    with and without GQA; the Triton kernels take the rest (and everything on other GPUs). Every gradient is
+    bitwise reproducible."""
+    expected = "sm90-gluon" if ON_HOPPER and "time" not in names and names != "all" else "triton"
     calls = []
     backend = backends.BACKENDS[expected]
     monkeypatch.setitem(backends.BACKENDS, expected, dataclasses.replace(
@@ -432,14 +431,15 @@ def test_gpu_public_op_deterministic_and_dispatch(names, heads, monkeypatch):
 @pytest.mark.parametrize("names", ["causal", "pos", "dropout", "causal+pos+dropout"])
 @pytest.mark.parametrize("head_dim,dtype", [(32, torch.float16), (64, torch.bfloat16), (128, torch.bfloat16)])
 @pytest.mark.parametrize("rotary", [False, True])
-def test_gpu_sm90_backward_with_options(names, head_dim, dtype, rotary, poisoned_outputs):
-    """The Hopper backward with the options it takes, alone and together, plain and with a fused rotary, on odd
-    lengths, after the Triton forward (the dropout mask regenerated the same): the accuracy contract, the bias
-    gradient included."""
-    q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 129], 4, 4, head_dim, dtype, "cuda")
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=lambda h: f"{h[0]}:{h[1]}")
+def test_gpu_sm90_backward_with_options(heads, names, head_dim, dtype, rotary, poisoned_outputs):
+    """The Hopper backward with the options it takes, alone and together, with and without GQA, plain and with a
+    fused rotary, on odd lengths, after the Triton forward (the dropout mask regenerated the same): the accuracy
+    contract, the bias gradient included."""
+    q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 129], *heads, head_dim, dtype, "cuda")
     sinu_pos = random_angles(q.shape[0], head_dim, device="cuda") if rotary else None
     rotate = ROTATE_ALL if rotary else 0
-    options = make_options(names, 4, 64, q.shape[0], "cuda")
+    options = make_options(names, heads[0], 64, q.shape[0], "cuda")
     out = run_backend("triton", q, k, v, do, offsets, 64, sinu_pos, rotate, in_block=options)[0]
     grads = run_backend("sm90-gluon", q, k, v, do, offsets, 64, sinu_pos, rotate, in_block=options)[1:]
     assert_within_2x_pytorch((out, *grads), q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=rotate,

@@ -21,8 +21,8 @@ dropout) change the score tile between the products and the softmax (``ops.in_bl
 With a time bias a kernel first writes the call's table of time buckets (``ops.in_block.bucket_table_kernel``).
 
 On Hopper GPUs the dispatcher (``backends``) sends the backward of 64-token blocks at D = 32, 64 and 128 (16-bit,
-with or without GQA), plain or rotary, and without GQA with the in-block options but the time bias, to Gluon
-kernels instead (``block_attention_sm90``). The PyTorch path is in
+with or without GQA), plain or rotary, with the in-block options but the time bias, to Gluon kernels instead
+(``block_attention_sm90``). The PyTorch path is in
 ``block_attention_torch``.
 """
 

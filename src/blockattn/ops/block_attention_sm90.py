@@ -12,11 +12,12 @@ of its pairs, staged in the tiles that are no longer read, and stored 16 bytes p
 Under GQA, one program per (block, kv head): k and v land and turn once, the group's query heads run in turn with
 the next head's q and dO landing in a second buffer, and dk and dv accumulate in registers across the group.
 
-Without GQA the kernel takes the in-block options but the time bias (causal mask, position bias, dropout): the
-Triton kernels' own tile code (``in_block.tile_probs_and_grads``) runs on the score tile in the products' layout,
-the dropout's Philox words computed while the products run and brought to that layout, and the position bias's
-gradient gathering dS along rows that each sit in one warp. At ``ads`` (H100, bf16) their backward costs 1.00x
-(causal, dropout) and 1.04x (position bias) the plain one, against 1.11-1.23x in the Triton one-block kernel.
+Both take the in-block options but the time bias (causal mask, position bias, dropout): the Triton kernels' own
+tile code (``in_block.tile_probs_and_grads``) runs on the score tile in the products' layout, the dropout's Philox
+words computed while the products run and brought to that layout, and the position bias's gradient gathering dS
+along rows that each sit in one warp. At ``ads`` (H100, bf16) their backward costs 1.00x (causal, dropout) and 1.04x
+(position bias) the plain one, against 1.11-1.23x in the Triton one-block kernel; with GQA 4:1 (8 query heads) at
+D = 128, 4.8-16.2 ms against 11.2-29.6 ms there, at D = 64 2.4-7.3 ms against 2.8-10.4 ms.
 
 Measured against the Triton kernels they replace (docs/benchmarks.md, times over the memory floor): without GQA,
 the rotary backward at the ``ads-rotary`` shape 1.18x -> 1.05x on an H100 and 1.45x -> 1.30x on an H200, the plain
@@ -394,13 +395,10 @@ def _block_attention_bwd_sm90_gqa_kernel(
 def why_not(call) -> str | None:
     """Why these kernels do not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: they take
     64-token blocks at D = 32, 64 or 128, with or without GQA, 16-bit inputs that TMA can read and gradients laid
-    out as ``[N, H * D]`` rows, with or without a rotary; without GQA, the in-block options but the time bias.
-    A rotary at D = 64 with two query heads per kv head stays with the Triton kernels: 1.69x and 1.76x the floor
+    out as ``[N, H * D]`` rows, with or without a rotary, with the in-block options but the time bias. A rotary at D = 64 with two query heads per kv head stays with the Triton kernels: 1.69x and 1.76x the floor
     there against 1.81x and 1.84x here (4:2 and 8:4, H100, `ads` lengths, fp32 angles)."""
     if call.in_block & TIME_BIAS.value:
         return "takes no time bias (the Triton kernels read its table of buckets)"
-    if call.in_block and call.num_heads != call.num_kv_heads:
-        return "takes the in-block options without GQA only"
     if call.block_size != _BLOCK_SIZE or call.head_dim not in _HEAD_DIMS:
         return f"takes {_BLOCK_SIZE}-token blocks at D in {_HEAD_DIMS} only"
     if call.rotate and call.head_dim == 64 and call.num_heads == 2 * call.num_kv_heads:
