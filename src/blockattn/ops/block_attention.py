@@ -22,8 +22,7 @@ With a time bias a kernel first writes the call's table of time buckets (``ops.i
 
 On Hopper GPUs the dispatcher (``backends``) sends the backward of 64-token blocks at D = 32, 64 and 128 (16-bit,
 with or without GQA), plain or rotary, with the in-block options but the time bias, to Gluon kernels instead
-(``block_attention_sm90``). The PyTorch path is in
-``block_attention_torch``.
+(``block_attention_sm90``). The PyTorch path is in ``block_attention_torch``.
 """
 
 from __future__ import annotations

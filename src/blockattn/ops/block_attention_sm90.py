@@ -361,8 +361,9 @@ def _block_attention_bwd_sm90_gqa_kernel(
             fence_async_shared()
 
             head = kv_head * GROUP + g
-            p, ds = _probs_and_grads(q, k, v, do, start, length, head, (pid // NUM_KV_HEADS) * NUM_KV_HEADS * GROUP + head,
-                                     scale, qk_scale_log2, mods, dpos_ptr, dtime_ptr, scores_layout, IN_BLOCK)
+            slot_head = (pid // NUM_KV_HEADS) * (NUM_KV_HEADS * GROUP) + head
+            p, ds = _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scale_log2, mods,
+                                     dpos_ptr, dtime_ptr, scores_layout, IN_BLOCK)
             probs.store(p)
             fence_async_shared()
             dv0, dv1 = _product_parts(probs.permute((1, 0)), do, dv0, dv1, PARTS)
@@ -395,8 +396,9 @@ def _block_attention_bwd_sm90_gqa_kernel(
 def why_not(call) -> str | None:
     """Why these kernels do not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: they take
     64-token blocks at D = 32, 64 or 128, with or without GQA, 16-bit inputs that TMA can read and gradients laid
-    out as ``[N, H * D]`` rows, with or without a rotary, with the in-block options but the time bias. A rotary at D = 64 with two query heads per kv head stays with the Triton kernels: 1.69x and 1.76x the floor
-    there against 1.81x and 1.84x here (4:2 and 8:4, H100, `ads` lengths, fp32 angles)."""
+    out as ``[N, H * D]`` rows, with or without a rotary, with the in-block options but the time bias. A rotary
+    at D = 64 with two query heads per kv head stays with the Triton kernels: 1.69x and 1.76x the floor there
+    against 1.81x and 1.84x here (4:2 and 8:4, H100, `ads` lengths, fp32 angles)."""
     if call.in_block & TIME_BIAS.value:
         return "takes no time bias (the Triton kernels read its table of buckets)"
     if call.block_size != _BLOCK_SIZE or call.head_dim not in _HEAD_DIMS:
@@ -423,7 +425,7 @@ def _descriptor(t: torch.Tensor) -> TensorDescriptor:
 def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              offsets: torch.Tensor, table: BlockTable, block_size: int, scale: float,
                              sinu_pos: torch.Tensor | None, rotate: int, options: InBlock,
-                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[None, None]:
+                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple:
     """Write ``(dq, dk, dv)`` into ``grads`` and return the gradients of ``options``' biases (None where absent),
     where :func:`why_not` says nothing against the call (the dispatcher's backward signature, ``backends``)."""
     n, h, d = q.shape
