@@ -406,13 +406,12 @@ def test_gpu_gqa_rotary_all_options(heads, rotary, poisoned_outputs):
 
 
 @requires_gpu
-@pytest.mark.parametrize("names,heads", [("all", (4, 4)), ("causal+pos+dropout", (4, 4)),
-                                         ("causal+pos+dropout", (4, 2))])
+@pytest.mark.parametrize("names,heads", [("all", (4, 4)), ("all", (4, 2)), ("causal+pos+dropout", (4, 2))])
 def test_gpu_public_op_deterministic_and_dispatch(names, heads, monkeypatch):
-    """The public op on the production shape: on Hopper the Gluon backward takes every option but the time bias,
-    with and without GQA; the Triton kernels take the rest (and everything on other GPUs). Every gradient is
-    bitwise reproducible."""
-    expected = "sm90-gluon" if ON_HOPPER and "time" not in names and names != "all" else "triton"
+    """The public op on the production shape: on Hopper the Gluon backward takes every option, under GQA not both
+    biases together; the Triton kernels take the rest (and everything on other GPUs). Every gradient is bitwise
+    reproducible."""
+    expected = "sm90-gluon" if ON_HOPPER and (heads[0] == heads[1] or names != "all") else "triton"
     calls = []
     backend = backends.BACKENDS[expected]
     monkeypatch.setitem(backends.BACKENDS, expected, dataclasses.replace(
@@ -428,13 +427,13 @@ def test_gpu_public_op_deterministic_and_dispatch(names, heads, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("names", ["causal", "pos", "dropout", "causal+pos+dropout"])
+@pytest.mark.parametrize("names", OPTIONS)
 @pytest.mark.parametrize("head_dim,dtype", [(32, torch.float16), (64, torch.bfloat16), (128, torch.bfloat16)])
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=lambda h: f"{h[0]}:{h[1]}")
 def test_gpu_sm90_backward_with_options(heads, names, head_dim, dtype, rotary, poisoned_outputs):
-    """The Hopper backward with the options it takes, alone and together, with and without GQA, plain and with a
-    fused rotary, on odd lengths, after the Triton forward (the dropout mask regenerated the same): the accuracy
+    """The Hopper backward with each option, alone and together, with and without GQA, plain and with a fused
+    rotary, on odd lengths, after the Triton forward (the dropout mask regenerated the same): the accuracy
     contract, the bias gradient included."""
     q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 129], *heads, head_dim, dtype, "cuda")
     sinu_pos = random_angles(q.shape[0], head_dim, device="cuda") if rotary else None

@@ -21,8 +21,8 @@ dropout) change the score tile between the products and the softmax (``ops.in_bl
 With a time bias a kernel first writes the call's table of time buckets (``ops.in_block.bucket_table_kernel``).
 
 On Hopper GPUs the dispatcher (``backends``) sends the backward of 64-token blocks at D = 32, 64 and 128 (16-bit,
-with or without GQA), plain or rotary, with the in-block options but the time bias, to Gluon kernels instead
-(``block_attention_sm90``). The PyTorch path is in ``block_attention_torch``.
+with or without GQA), plain or rotary, with or without the in-block options (under GQA not both biases together),
+to Gluon kernels instead (``block_attention_sm90``). The PyTorch path is in ``block_attention_torch``.
 """
 
 from __future__ import annotations
@@ -711,18 +711,6 @@ def _table_args(offsets: torch.Tensor, table: BlockTable) -> dict:
             "num_seqs": offsets.numel() - 1}
 
 
-def _in_block_args(offsets: torch.Tensor, table: BlockTable, block_size: int, options: InBlock,
-                   like: torch.Tensor) -> dict:
-    """The attention kernels' in-block arguments; with a time bias, after launching the kernel that fills the
-    call's table of time buckets."""
-    if options.time_bias is None:
-        return in_block.kernel_args(options, like)
-    args = in_block.bucket_table_args(options, like.shape[0], block_size)
-    launch(in_block.bucket_table_kernel, (table.num_slots,), **args, **_table_args(offsets, table),
-           num_tokens=like.shape[0], num_warps=4)
-    return in_block.kernel_args(options, like, args["buckets_ptr"])
-
-
 def block_attention_fwd_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -769,7 +757,7 @@ def block_attention_fwd_triton(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **_table_args(offsets, table),
         num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
-        stride_sn=stride_sn, stride_sd=stride_sd, **_in_block_args(offsets, table, block_size, options, q),
+        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
         **(fp8.no_scales_args(q) if fp8_scales is None else fp8_scales.kernel_args()), FP8=fp8_scales is not None,
         FP8_QK=fp8_qk_possible and fp8_dot is not False,
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_SIZE=block_size,
@@ -874,7 +862,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     launch(
         _block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
         **tensors, sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], **common, **strides,
-        stride_sn=stride_sn, stride_sd=stride_sd, **_in_block_args(offsets, table, block_size, options, q),
+        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
         NUM_KV_HEADS=hkv, GROUP=group,
         NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
         GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],

@@ -12,12 +12,13 @@ of its pairs, staged in the tiles that are no longer read, and stored 16 bytes p
 Under GQA, one program per (block, kv head): k and v land and turn once, the group's query heads run in turn with
 the next head's q and dO landing in a second buffer, and dk and dv accumulate in registers across the group.
 
-Both take the in-block options but the time bias (causal mask, position bias, dropout): the Triton kernels' own
-tile code (``in_block.tile_probs_and_grads``) runs on the score tile in the products' layout, the dropout's Philox
-words computed while the products run and brought to that layout, and the position bias's gradient gathering dS
-along rows that each sit in one warp. At ``ads`` (H100, bf16) their backward costs 1.00x (causal, dropout) and 1.04x
-(position bias) the plain one, against 1.11-1.23x in the Triton one-block kernel; with GQA 4:1 (8 query heads) at
-D = 128, 4.8-16.2 ms against 11.2-29.6 ms there, at D = 64 2.4-7.3 ms against 2.8-10.4 ms.
+Both take the in-block options (causal mask, position and time biases, dropout): the Triton kernels' own tile
+code (``in_block.tile_probs_and_grads``) runs on the score tile in the products' layout, the dropout's Philox words
+computed while the products run and brought to that layout, and the position bias's gradient gathering dS along
+rows that each sit in one warp. At ``ads`` (H100, bf16) their backward costs 1.00x (causal, dropout), 1.04x
+(position bias) and 1.70x (time bias) the plain one, against 1.11-1.23x and 2.16x in the Triton one-block kernel;
+with GQA 4:1 (8 query heads) at D = 128, 4.8-16.2 ms against 11.2-29.6 ms there without the time bias and 20.3
+against 23.6 ms with it, at D = 64 2.4-7.3 ms against 2.8-10.4 ms.
 
 Measured against the Triton kernels they replace (docs/benchmarks.md, times over the memory floor): without GQA,
 the rotary backward at the ``ads-rotary`` shape 1.18x -> 1.05x on an H100 and 1.45x -> 1.30x on an H200, the plain
@@ -44,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..block_table import BlockTable
 from . import in_block
 from .gluon_sm90 import barrier, tma_load
-from .in_block import DROPOUT, TIME_BIAS, InBlock, dropout_factors, tile_probs_and_grads
+from .in_block import DROPOUT, POS_BIAS, TIME_BIAS, InBlock, dropout_factors, tile_probs_and_grads
 from .launch import launch
 from .tiles import (
     LOG2E,
@@ -154,7 +155,7 @@ def _rows_in_warps(ds, offs_i, offs_j):
 def _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scale_log2, mods, dpos_ptr, dtime_ptr,
                      scores_layout: gl.constexpr, IN_BLOCK: gl.constexpr):
     """``(P, dS)`` of one (block, query head) in the inputs' dtype from the landed tiles, ``dS`` times ``scale``.
-    With in-block options (``IN_BLOCK``, arguments ``mods``: ``in_block.kernel_args``; no time bias) the Triton
+    With in-block options (``IN_BLOCK``, arguments ``mods``: ``in_block.kernel_args``) the Triton
     kernels' own tile code runs on this kernel's layouts, and the block's share of the bias gradients goes to row
     ``slot_head`` of the partial buffers."""
     BLOCK: gl.constexpr = q.shape[0]
@@ -171,8 +172,9 @@ def _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scal
     offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
     if IN_BLOCK:
         offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
+        offs_16 = gl.arange(0, 16, layout=gl.SliceLayout(0, scores_layout))
         p, ds = tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, length > 0, offs_i, offs_j,
-                                     qk_scale_log2, scale, q.dtype, mods, dpos_ptr, dtime_ptr, BLOCK, IN_BLOCK,
+                                     offs_16, qk_scale_log2, scale, q.dtype, mods, dpos_ptr, dtime_ptr, BLOCK, IN_BLOCK,
                                      _rows_in_warps)
     else:
         p = softmax_probs(scores, offs_j < length, qk_scale_log2)
@@ -192,7 +194,7 @@ def _block_attention_bwd_sm90_kernel(
     NUM_HEADS: gl.constexpr, ROTATE: gl.constexpr, IN_BLOCK: gl.constexpr,
 ):
     # Heads vary fastest, as in the Triton kernels. ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the rotated operands.
-    # IN_BLOCK: the in-block options, as in the Triton kernels (their arguments ``mods``), the time bias excepted.
+    # IN_BLOCK: the in-block options, as in the Triton kernels (their arguments ``mods``).
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -396,11 +398,14 @@ def _block_attention_bwd_sm90_gqa_kernel(
 def why_not(call) -> str | None:
     """Why these kernels do not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: they take
     64-token blocks at D = 32, 64 or 128, with or without GQA, 16-bit inputs that TMA can read and gradients laid
-    out as ``[N, H * D]`` rows, with or without a rotary, with the in-block options but the time bias. A rotary
+    out as ``[N, H * D]`` rows, with or without a rotary, with or without the in-block options. A rotary
     at D = 64 with two query heads per kv head stays with the Triton kernels: 1.69x and 1.76x the floor there
-    against 1.81x and 1.84x here (4:2 and 8:4, H100, `ads` lengths, fp32 angles)."""
-    if call.in_block & TIME_BIAS.value:
-        return "takes no time bias (the Triton kernels read its table of buckets)"
+    against 1.81x and 1.84x here (4:2 and 8:4, H100, `ads` lengths, fp32 angles). So do both biases together
+    under GQA, where the group's accumulators and the biases' gradients spill registers: 40.6 ms against 34.6 with
+    a causal mask (8 query heads on 2 kv heads, D = 128, `ads` lengths, H100)."""
+    both_biases = POS_BIAS.value | TIME_BIAS.value
+    if call.num_heads != call.num_kv_heads and call.in_block & both_biases == both_biases:
+        return "takes the position and time biases together without GQA only (the Triton kernels are faster)"
     if call.block_size != _BLOCK_SIZE or call.head_dim not in _HEAD_DIMS:
         return f"takes {_BLOCK_SIZE}-token blocks at D in {_HEAD_DIMS} only"
     if call.rotate and call.head_dim == 64 and call.num_heads == 2 * call.num_kv_heads:
@@ -451,6 +456,6 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         num_seqs=offsets.numel() - 1, num_tokens=n, scale=scale, qk_scale_log2=scale * LOG2E,
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
         stride_sn=stride_sn, stride_sd=stride_sd, dpos_ptr=partials[0], dtime_ptr=partials[1],
-        **in_block.kernel_args(options, q), **heads, ROTATE=rotate, num_warps=4,
+        **in_block.call_args(options, q, offsets, table, block_size), **heads, ROTATE=rotate, num_warps=4,
     )
     return in_block.summed_bias_grads(options, partials)

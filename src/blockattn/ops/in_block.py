@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..block_table import BlockTable
+from .launch import launch
 from .tiles import LOG2E, block_bounds, in_block_rows, softmax_probs
 
 # Kernels read globals only as constexprs.
@@ -182,6 +184,19 @@ def bucket_table_args(options: InBlock, num_tokens: int, block_size: int) -> dic
     }
 
 
+def call_args(options: InBlock, like: torch.Tensor, offsets: torch.Tensor, table: BlockTable,
+              block_size: int) -> dict:
+    """:func:`kernel_args` of one call; with a time bias, after launching the kernel that fills the call's table of
+    time buckets."""
+    if options.time_bias is None:
+        return kernel_args(options, like)
+    args = bucket_table_args(options, like.shape[0], block_size)
+    launch(bucket_table_kernel, (table.num_slots,), **args, block_seq_ptr=table.block_seq,
+           block_cum_ptr=table.block_cum, offsets_ptr=offsets, num_seqs=offsets.numel() - 1,
+           num_tokens=like.shape[0], num_warps=4)
+    return kernel_args(options, like, args["buckets_ptr"])
+
+
 def bias_grad_partials(options: InBlock, num_slots: int, block_size: int,
                        like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block partial sums of the bias gradients that the backward kernels write, ``[slots, Hq, width]`` fp32
@@ -235,8 +250,8 @@ def bucket_table_kernel(buckets_ptr, timestamps_ptr, stride_ts, edges_ptr, num_b
              bucket.to(buckets_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-# The tile helpers below take the block's query and key offsets (``offs_i``, ``offs_j``: ``arange(BS)``) from the
-# caller, so that the Gluon backward (block_attention_sm90) runs them on its own layouts (Gluon tensors carry
+# The tile helpers below take the block's query and key offsets (``offs_i``, ``offs_j``: ``arange(BS)``, and
+# ``offs_16 = arange(16)`` for the time bias's gradient) from the caller, so that the Gluon backward (block_attention_sm90) runs them on its own layouts (Gluon tensors carry
 # explicit layouts; a helper that made its own ``arange`` or ``zeros`` would have none).
 
 
@@ -287,7 +302,7 @@ def _bitwise_or(a, b):
 
 
 @triton.jit
-def _write_bias_grads(ds, bucket, slot_head, write, dpos_ptr, dtime_ptr, num_buckets, offs_i, offs_j,
+def _write_bias_grads(ds, bucket, slot_head, write, dpos_ptr, dtime_ptr, num_buckets, offs_i, offs_j, offs_16,
                       BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr, DIAGONALS_TILE: tl.constexpr):
     """One (block, head)'s share of the bias gradients, ``ds = dL/ds(i, j)`` (fp32, zero off the valid pairs),
     into row ``slot_head`` of the partial buffers where ``write``: the sums of ``ds`` along each diagonal ``j - i``
@@ -295,28 +310,29 @@ def _write_bias_grads(ds, bucket, slot_head, write, dpos_ptr, dtime_ptr, num_buc
     them best) and over each time bucket present in the block."""
     if POS_BIAS & IN_BLOCK:
         WIDTH: tl.constexpr = 2 * BLOCK_SIZE - 1
-        ds, offs_i, offs_j = DIAGONALS_TILE(ds, offs_i, offs_j)
+        diag_ds, diag_i, diag_j = DIAGONALS_TILE(ds, offs_i, offs_j)
         # skew[i, c] = ds[i, (i + c) % BS]: column c holds diagonal c (i + c < BS) and diagonal c - BS (wrapped).
-        shifted = offs_i[:, None] + offs_j[None, :]
+        shifted = diag_i[:, None] + diag_j[None, :]
         wrapped = shifted >= BLOCK_SIZE
-        skew = tl.gather(ds, tl.where(wrapped, shifted - BLOCK_SIZE, shifted), axis=1)
+        skew = tl.gather(diag_ds, tl.where(wrapped, shifted - BLOCK_SIZE, shifted), axis=1)
         upper = tl.sum(tl.where(wrapped, 0.0, skew), axis=0)
         lower = tl.sum(tl.where(wrapped, skew, 0.0), axis=0)
         base = dpos_ptr + slot_head.to(tl.int64) * WIDTH
-        written = offs_j < BLOCK_SIZE * write.to(tl.int32)  # all or none
-        tl.store(base + (BLOCK_SIZE - 1) + offs_j, upper, mask=written)
-        tl.store(base + offs_j - 1, lower, mask=(offs_j > 0) & written)
+        written = diag_j < BLOCK_SIZE * write.to(tl.int32)  # all or none
+        tl.store(base + (BLOCK_SIZE - 1) + diag_j, upper, mask=written)
+        tl.store(base + diag_j - 1, lower, mask=(diag_j > 0) & written)
     if TIME_BIAS & IN_BLOCK:
         # Per bucket present, row sums (within a warp: no barrier), gathered 16 buckets wide and summed over the
         # rows once per 16; buckets the block lacks (a bit mask per 64) are skipped.
         base = dtime_ptr + slot_head.to(tl.int64) * num_buckets
         last = tl.where(write, tl.max(tl.max(bucket, axis=1), axis=0), -1)
         for b0 in range(0, last + 1, 64):
-            bits = tl.where((bucket >= b0) & (bucket < b0 + 64), tl.full(bucket.shape, 1, tl.int64) << (bucket - b0), 0)
+            in_range = (bucket >= b0) & (bucket < b0 + 64)
+            bits = tl.where(in_range, 1, 0).to(tl.int64) << tl.where(in_range, bucket - b0, 0).to(tl.int64)
             present = tl.reduce(bits, None, _bitwise_or)
             for c0 in range(b0, tl.minimum(b0 + 64, last + 1), 16):
-                cols = c0 + tl.arange(0, 16)
-                sums = tl.zeros((BLOCK_SIZE, 16), dtype=tl.float32)
+                cols = c0 + offs_16
+                sums = (offs_i[:, None] * 0 + offs_16[None, :] * 0).to(tl.float32)  # zeros, [BS, 16]
                 for b in range(c0, tl.minimum(c0 + 16, last + 1)):
                     if (present >> (b - b0)) & 1:
                         row_sums = tl.sum(tl.where(bucket == b, ds, 0.0), axis=1)
@@ -346,7 +362,7 @@ def block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SI
 
 @triton.jit
 def tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write_bias_grads, offs_i, offs_j,
-                         qk_scale_log2, ds_scale, dtype: tl.constexpr, mods, dpos_ptr, dtime_ptr,
+                         offs_16, qk_scale_log2, ds_scale, dtype: tl.constexpr, mods, dpos_ptr, dtime_ptr,
                          BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr, DIAGONALS_TILE: tl.constexpr):
     """The backward's ``(P, dS)`` of one (block, head) in ``dtype``, ``P`` with the dropout factors ``keep``
     (:func:`dropout_factors`, read under ``DROPOUT`` only) applied (it multiplies dO into dV) and
@@ -368,7 +384,7 @@ def tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write
     ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
     if (POS_BIAS | TIME_BIAS) & IN_BLOCK:
         _write_bias_grads(ds, bucket, slot_head, write_bias_grads, dpos_ptr, dtime_ptr, mods[8], offs_i, offs_j,
-                          BLOCK_SIZE, IN_BLOCK, DIAGONALS_TILE)
+                          offs_16, BLOCK_SIZE, IN_BLOCK, DIAGONALS_TILE)
     if DROPOUT & IN_BLOCK:
         p = p * keep
     return p.to(dtype), (ds * ds_scale).to(dtype)
@@ -390,5 +406,5 @@ def block_probs_and_grads(scores, dp, start, length, head, slot_head, write_bias
     else:
         keep = 1.0  # not read
     return tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write_bias_grads, offs, offs,
-                                qk_scale_log2, ds_scale, dtype, mods, dpos_ptr, dtime_ptr, BLOCK_SIZE, IN_BLOCK,
+                                tl.arange(0, 16), qk_scale_log2, ds_scale, dtype, mods, dpos_ptr, dtime_ptr, BLOCK_SIZE, IN_BLOCK,
                                 _as_given)
