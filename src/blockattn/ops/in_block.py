@@ -236,7 +236,7 @@ def _time_buckets(rows, row_ok, timestamps_ptr, stride_ts, edges_ptr, num_bucket
 
 @triton.jit
 def bucket_table_kernel(buckets_ptr, timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale,
-                         block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr):
+                        block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr):
     # One program per block: its buckets, query i's at row start + i of the table (bucket_table_args).
     start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, tl.program_id(0), num_seqs, num_tokens,
                                  BLOCK_SIZE)
@@ -251,8 +251,9 @@ def bucket_table_kernel(buckets_ptr, timestamps_ptr, stride_ts, edges_ptr, num_b
 
 
 # The tile helpers below take the block's query and key offsets (``offs_i``, ``offs_j``: ``arange(BS)``, and
-# ``offs_16 = arange(16)`` for the time bias's gradient) from the caller, so that the Gluon backward (block_attention_sm90) runs them on its own layouts (Gluon tensors carry
-# explicit layouts; a helper that made its own ``arange`` or ``zeros`` would have none).
+# ``offs_16 = arange(16)`` for the time bias's gradient) from the caller, so that the Gluon backward
+# (block_attention_sm90) runs them on its own layouts (Gluon tensors carry explicit layouts; a helper that made its
+# own ``arange`` or ``zeros`` would have none).
 
 
 @triton.jit
@@ -392,6 +393,7 @@ def tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write
 
 @triton.jit
 def _as_given(ds, offs_i, offs_j):
+    # The Triton kernels' DIAGONALS_TILE: their compiler picks the layout.
     return ds, offs_i, offs_j
 
 
@@ -406,5 +408,5 @@ def block_probs_and_grads(scores, dp, start, length, head, slot_head, write_bias
     else:
         keep = 1.0  # not read
     return tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write_bias_grads, offs, offs,
-                                tl.arange(0, 16), qk_scale_log2, ds_scale, dtype, mods, dpos_ptr, dtime_ptr, BLOCK_SIZE, IN_BLOCK,
-                                _as_given)
+                                tl.arange(0, 16), qk_scale_log2, ds_scale, dtype, mods, dpos_ptr, dtime_ptr,
+                                BLOCK_SIZE, IN_BLOCK, _as_given)
