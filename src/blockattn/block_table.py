@@ -30,6 +30,11 @@ class BlockTable(NamedTuple):
     def num_slots(self) -> int:
         return self.block_seq.numel()
 
+    def kernel_args(self, offsets: torch.Tensor) -> dict:
+        """What a kernel takes to find its grid slot's block (``ops.tiles.block_bounds``)."""
+        return {"block_seq_ptr": self.block_seq, "block_cum_ptr": self.block_cum, "offsets_ptr": offsets,
+                "num_seqs": offsets.numel() - 1}
+
 
 def max_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
     """Upper bound on the number of blocks: ``sum ceil(len_b / BS) <= (N + B * (BS - 1)) // BS``."""

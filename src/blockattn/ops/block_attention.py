@@ -706,11 +706,6 @@ def _strides(prefix: str, t: torch.Tensor) -> dict:
     return dict(zip(_stride_names(prefix), t.stride()))
 
 
-def _table_args(offsets: torch.Tensor, table: BlockTable) -> dict:
-    return {"block_seq_ptr": table.block_seq, "block_cum_ptr": table.block_cum, "offsets_ptr": offsets,
-            "num_seqs": offsets.numel() - 1}
-
-
 def block_attention_fwd_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -754,7 +749,7 @@ def block_attention_fwd_triton(
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     launch(
         _block_attention_fwd_kernel, (table.num_slots * hq // heads,),
-        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **_table_args(offsets, table),
+        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **table.kernel_args(offsets),
         num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
         stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
@@ -841,7 +836,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
         cfg = {**cfg, **whole_rows, "PIPELINE_STAGES": pipeline_stages}
     elif one_block:
         cfg = {**cfg, "PIPELINE_STAGES": 1}
-    common = dict(**_table_args(offsets, table), num_tokens=n, head_dim=d, scale=scale, qk_scale_log2=scale * LOG2E,
+    common = dict(**table.kernel_args(offsets), num_tokens=n, head_dim=d, scale=scale, qk_scale_log2=scale * LOG2E,
                   BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
                   DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or cfg["NUM_WARPS"],
                   num_stages=1, **_register_cap(maxnreg))

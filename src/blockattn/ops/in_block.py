@@ -191,9 +191,8 @@ def call_args(options: InBlock, like: torch.Tensor, offsets: torch.Tensor, table
     if options.time_bias is None:
         return kernel_args(options, like)
     args = bucket_table_args(options, like.shape[0], block_size)
-    launch(bucket_table_kernel, (table.num_slots,), **args, block_seq_ptr=table.block_seq,
-           block_cum_ptr=table.block_cum, offsets_ptr=offsets, num_seqs=offsets.numel() - 1,
-           num_tokens=like.shape[0], num_warps=4)
+    launch(bucket_table_kernel, (table.num_slots,), **args, **table.kernel_args(offsets), num_tokens=like.shape[0],
+           num_warps=4)
     return kernel_args(options, like, args["buckets_ptr"])
 
 
