@@ -151,12 +151,13 @@ def test_time_bias_gradient_any_order_ties_and_spread(pattern, timestamps_dtype,
 
 
 @pytest.mark.parametrize("timestamps_dtype", [torch.int64, torch.float32])
-@pytest.mark.parametrize("width,num_buckets", [(0.301, 20), (in_block.MIN_BUCKET_WIDTH, 40_000)])
+@pytest.mark.parametrize("width,num_buckets", [(0.301, 20), (0.9, 45), (in_block.MIN_BUCKET_WIDTH, 40_000)])
 def test_time_buckets_exact_at_the_edges(timestamps_dtype, width, num_buckets):
-    """Key times exactly at bucket edges and one fp32 step below them (20 edges spread over the table; at the
-    narrowest width up to ``|dt|`` ~ 1e17, where the fast log2's error is largest): the kernels' fast log2 plus
-    correction and the PyTorch path's searchsorted give the reference's buckets (a wrong bucket moves a score by 3),
-    and the time bias's gradient sums each bucket's pairs."""
+    """Key times exactly at bucket edges and one fp32 step below them (20 edges spread over the table; at widths
+    0.9 and the narrowest up to ``|dt|`` ~ 1e17, where the fast log2's error is largest and integer times span more
+    than the kernel's 32-bit differences hold): the kernels' fast log2 plus correction and the PyTorch path's
+    searchsorted give the reference's buckets (a wrong bucket moves a score by 3), and the time bias's gradient sums
+    each bucket's pairs."""
     picked = torch.linspace(1, num_buckets - 1, 20, dtype=torch.float64).round().long().unique()
     exact = torch.exp(picked.double() * width)
     if timestamps_dtype == torch.int64:

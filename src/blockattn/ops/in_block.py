@@ -30,7 +30,8 @@ import triton.language as tl
 
 from ..block_table import BlockTable
 from .launch import launch
-from .tiles import LOG2E, block_bounds, in_block_rows, softmax_probs
+from .rotary import inline_asm
+from .tiles import LOG2E, block_bounds, softmax_probs
 
 # Kernels read globals only as constexprs.
 _LOG2E = tl.constexpr(LOG2E)
@@ -77,9 +78,11 @@ PLAIN = InBlock()
 
 @functools.lru_cache(maxsize=64)
 def bucket_edges(num_buckets: int, width: float, device: torch.device) -> torch.Tensor:
-    """``[num_buckets + 1]`` fp32: ``edges[k]``, the smallest fp32 ``>= exp(k * width)`` (computed on ``device``, no
-    host copy; cached, so a CUDA graph captured after the first call reads the same buffer)."""
+    """``[num_buckets + 1]`` fp32: ``edges[k]``, the smallest fp32 ``>= exp(k * width)``, for ``k < num_buckets``;
+    ``edges[num_buckets] = inf`` (the last bucket has no upper edge). Computed on ``device``, no host copy; cached,
+    so a CUDA graph captured after the first call reads the same buffer."""
     exact = torch.exp(torch.arange(num_buckets + 1, device=device, dtype=torch.float64) * width)
+    exact[-1] = float("inf")
     edges = exact.float()
     return torch.where(edges.double() < exact, torch.nextafter(edges, edges.new_tensor(float("inf"))), edges)
 
@@ -181,6 +184,7 @@ def bucket_table_args(options: InBlock, num_tokens: int, block_size: int) -> dic
         "timestamps_ptr": times, "stride_ts": times.stride(0),
         "edges_ptr": bucket_edges(num_buckets, options.bucket_width, times.device), "num_buckets": num_buckets,
         "bucket_scale": math.log(2) / options.bucket_width, "BLOCK_SIZE": block_size,
+        "INLINE_ASM": inline_asm(times),
     }
 
 
@@ -216,37 +220,81 @@ def summed_bias_grads(options: InBlock, partials: tuple[torch.Tensor, torch.Tens
 
 
 @triton.jit
-def _time_buckets(rows, row_ok, timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale):
-    """``[BS, BS]`` int32 buckets of ``|t_j - t_i|`` for query rows ``i`` and key rows ``j`` of one block: a fast
-    log2 estimate, corrected by one step against ``edges`` (exact on every fp32 ``|dt|``). Rows past the block's
-    end read its first row: their buckets stay among the block's own (the gradient loops over that range)."""
-    t = tl.load(timestamps_ptr + in_block_rows(rows, row_ok) * stride_ts)
-    if t.dtype.is_floating():
-        dt = tl.abs(t[None, :].to(tl.float32) - t[:, None].to(tl.float32))
+def _bucket(dt, edges_ptr, num_buckets, bucket_scale, INLINE_ASM: tl.constexpr):
+    """The bucket of each fp32 ``|dt|``: ``g = floor(log2(max(dt, 1)) * bucket_scale - 0.5)`` (at most
+    ``num_buckets - 1``) is the bucket or the one below, since the log2 is off by far less than half a bucket (even at
+    MIN_BUCKET_WIDTH); ``dt >= edges[g + 1]`` settles which (``edges[k] > 1`` from ``k = 1``; the last is inf)."""
+    if INLINE_ASM:
+        # In one PTX block where PTX may be inlined: lg2.approx (one special-function instruction, absolute error
+        # under 2**-22; Triton's log2 is a polynomial of 15), a conversion that saturates (dt < 1 and -inf give 0)
+        # in place of the max, and the edge's load. As a tl.load the edge's gather took its own layout (Triton 3.6),
+        # which computed the estimate twice and moved the comparisons through shared memory.
+        bucket = tl.inline_asm_elementwise(
+            """{
+            .reg .f32 l, e;
+            .reg .u32 g;
+            .reg .u64 a;
+            .reg .pred above;
+            lg2.approx.ftz.f32 l, $1;
+            fma.rn.ftz.f32 l, l, $2, 0fBF000000;
+            cvt.rzi.u32.f32 g, l;
+            min.u32 g, g, $3;
+            mad.wide.u32 a, g, 4, $4;
+            ld.global.nc.f32 e, [a+4];
+            setp.ge.f32 above, $1, e;
+            selp.u32 $0, 1, 0, above;
+            add.u32 $0, $0, g;
+            }""",
+            "=r,f,f,r,l", [dt, bucket_scale, num_buckets - 1, edges_ptr.to(tl.int64, bitcast=True)],
+            dtype=tl.int32, is_pure=True, pack=1)
     else:
-        dt = tl.abs(t[None, :].to(tl.int64) - t[:, None].to(tl.int64)).to(tl.float32)
-    a = tl.maximum(dt, 1.0)
-    # The fast log2 is off by far less than half a bucket (even at MIN_BUCKET_WIDTH), so half a bucket below the
-    # estimate is the bucket or the one under it: one edge read per pair settles which.
-    guess = tl.minimum(tl.maximum(tl.log2(a) * bucket_scale - 0.5, 0.0).to(tl.int32), num_buckets - 1)
-    above = a >= tl.load(edges_ptr + guess + 1)
-    return tl.minimum(guess + above.to(tl.int32), num_buckets - 1)
+        guess = tl.minimum((tl.log2(tl.maximum(dt, 1.0)) * bucket_scale - 0.5).to(tl.int32), num_buckets - 1)
+        bucket = guess + (dt >= tl.load(edges_ptr + guess + 1)).to(tl.int32)
+    return bucket
+
+
+@triton.jit
+def _time_buckets(start, length, timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale,
+                  BLOCK_SIZE: tl.constexpr, INLINE_ASM: tl.constexpr):
+    """``[BS, BS]`` int32 buckets of ``|t_j - t_i|`` for query rows ``i`` and key rows ``j`` of the block of
+    ``length`` tokens from ``start``: a fast log2 estimate, corrected by one step against ``edges`` (exact on every
+    fp32 ``|dt|``). Rows past the block's end read its first row: their buckets stay among the block's own (the
+    gradient loops over that range)."""
+    offs = tl.arange(0, BLOCK_SIZE)
+    t = tl.load(timestamps_ptr + start * stride_ts + tl.where(offs < length, offs, 0).to(tl.int64) * stride_ts)
+    if t.dtype.is_floating():
+        t = t.to(tl.float32)
+        dt = tl.abs(t[None, :] - t[:, None])
+    else:
+        # Integer differences exactly, rounded once to fp32. A block whose times span less than 2**31 (any real
+        # one) takes them in int32 from its earliest time: 64-bit subtractions and conversions cost several
+        # instructions each, per pair.
+        t = t.to(tl.int64)
+        since = t - tl.min(t, axis=0)
+        if tl.max(since, axis=0) < 2**31:
+            since32 = since.to(tl.int32)
+            dt = tl.abs(since32[None, :] - since32[:, None]).to(tl.float32)
+        else:
+            dt = tl.abs(t[None, :] - t[:, None]).to(tl.float32)
+    return _bucket(dt, edges_ptr, num_buckets, bucket_scale, INLINE_ASM)
 
 
 @triton.jit
 def bucket_table_kernel(buckets_ptr, timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale,
-                        block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr):
+                        block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr,
+                        INLINE_ASM: tl.constexpr):
     # One program per block: its buckets, query i's at row start + i of the table (bucket_table_args).
     start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, tl.program_id(0), num_seqs, num_tokens,
                                  BLOCK_SIZE)
     if length <= 0:
         return
+    length = length.to(tl.int32)  # at most BLOCK_SIZE
+    bucket = _time_buckets(start, length, timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale,
+                           BLOCK_SIZE, INLINE_ASM)
+    # The block's base in 64 bits once, the offsets within it in 32.
     offs = tl.arange(0, BLOCK_SIZE)
-    row_ok = offs < length
-    rows = start + offs
-    bucket = _time_buckets(rows, row_ok, timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale)
-    tl.store(buckets_ptr + rows.to(tl.int64)[:, None] * BLOCK_SIZE + offs[None, :],
-             bucket.to(buckets_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(buckets_ptr + start * BLOCK_SIZE + (offs[:, None] * BLOCK_SIZE + offs[None, :]),
+             bucket.to(buckets_ptr.dtype.element_ty), mask=(offs < length)[:, None])
 
 
 # The tile helpers below take the block's query and key offsets (``offs_i``, ``offs_j``: ``arange(BS)``, and
