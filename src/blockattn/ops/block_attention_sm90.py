@@ -16,9 +16,9 @@ Both take the in-block options (causal mask, position and time biases, dropout):
 code (``in_block.tile_probs_and_grads``) runs on the score tile in the products' layout, the dropout's Philox words
 computed while the products run and brought to that layout, and the position bias's gradient gathering dS along
 rows that each sit in one warp. At ``ads`` (H100, bf16) their backward costs 1.00x (causal, dropout), 1.04x
-(position bias) and 1.70x (time bias; 1.62x once its table of buckets got faster) the plain one, against 1.11-1.23x and 2.16x in the Triton one-block kernel;
-with GQA 4:1 (8 query heads) at D = 128, 4.8-16.2 ms against 11.2-29.6 ms there without the time bias and 20.3
-against 23.6 ms with it, at D = 64 2.4-7.3 ms against 2.8-10.4 ms.
+(position bias) and 1.70x (time bias; 1.62x once its table of buckets got faster) the plain one, against
+1.11-1.23x and 2.16x in the Triton one-block kernel; with GQA 4:1 (8 query heads) at D = 128, 4.8-16.2 ms against
+11.2-29.6 ms there without the time bias and 20.3 against 23.6 ms with it, at D = 64 2.4-7.3 ms against 2.8-10.4 ms.
 
 Measured against the Triton kernels they replace (docs/benchmarks.md, times over the memory floor): without GQA,
 the rotary backward at the ``ads-rotary`` shape 1.18x -> 1.05x on an H100 and 1.45x -> 1.30x on an H200, the plain
