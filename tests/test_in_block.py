@@ -446,6 +446,24 @@ def test_gpu_sm90_backward_with_options(heads, names, head_dim, dtype, rotary, p
                              in_block=options)
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("num_buckets,width", [(5, 0.301), (64, 0.301), (100, 0.12), (300, 0.04)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_sm90_time_bias_gradient_in_passes(num_buckets, width, head_dim, causal, poisoned_outputs):
+    """The Hopper kernel without GQA sums the time bias's gradient in shared memory once a program's products are
+    done, 32 to 128 buckets a pass (what its tiles' memory holds at this head dim): one pass to ten, a uint8 and an
+    int32 table of buckets, times that fill the buckets. Within the contract and bitwise reproducible."""
+    q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 129], 4, 4, head_dim, torch.bfloat16, "cuda")
+    options = InBlock(causal=causal, timestamps=_timestamps("rising", q.shape[0], torch.int64).cuda(),
+                      time_bias=torch.randn(4, num_buckets, device="cuda"), bucket_width=width)
+    out = run_backend("triton", q, k, v, do, offsets, 64, in_block=options)[0]
+    grads = run_backend("sm90-gluon", q, k, v, do, offsets, 64, in_block=options)[1:]
+    assert_within_2x_pytorch((out, *grads), q, k, v, do, offsets, 64, in_block=options)
+    again = run_backend("sm90-gluon", q, k, v, do, offsets, 64, in_block=options)[1:]
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
 @requires_gpu
 def test_gpu_cuda_graph_replay_new_mask_each_replay(monkeypatch):
     """A captured forward + backward with dropout: each replay draws a new seed on the device (a new mask), and each

@@ -15,10 +15,12 @@ the next head's q and dO landing in a second buffer, and dk and dv accumulate in
 Both take the in-block options (causal mask, position and time biases, dropout): the Triton kernels' own tile
 code (``in_block.tile_probs_and_grads``) runs on the score tile in the products' layout, the dropout's Philox words
 computed while the products run and brought to that layout, and the position bias's gradient gathering dS along
-rows that each sit in one warp. At ``ads`` (H100, bf16) their backward costs 1.00x (causal, dropout), 1.04x
-(position bias) and 1.70x (time bias; 1.62x once its table of buckets got faster) the plain one, against
-1.11-1.23x and 2.16x in the Triton one-block kernel; with GQA 4:1 (8 query heads) at D = 128, 4.8-16.2 ms against
-11.2-29.6 ms there without the time bias and 20.3 against 23.6 ms with it, at D = 64 2.4-7.3 ms against 2.8-10.4 ms.
+rows that each sit in one warp. Without GQA the time bias's gradient is summed per bucket at the program's end, in
+per-thread bins where the tiles were (``_sums_in_bins``). At ``ads`` (H100, bf16) their backward costs 1.00x
+(causal, dropout), 1.04x (position bias) and 1.13x (time bias; 1.62x with a compare-and-add per pair and bucket)
+the plain one, against 1.11-1.23x and 2.16x in the Triton one-block kernel; with GQA 4:1 (8 query heads) at
+D = 128, 4.8-16.2 ms against 11.2-29.6 ms there without the time bias and 20.3 against 23.6 ms with it, at D = 64
+2.4-7.3 ms against 2.8-10.4 ms.
 
 Measured against the Triton kernels they replace (docs/benchmarks.md, times over the memory floor): without GQA,
 the rotary backward at the ``ads-rotary`` shape 1.18x -> 1.05x on an H100 and 1.45x -> 1.30x on an H200, the plain
@@ -45,7 +47,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..block_table import BlockTable
 from . import in_block
 from .gluon_sm90 import barrier, tma_load
-from .in_block import DROPOUT, POS_BIAS, TIME_BIAS, InBlock, dropout_factors, tile_probs_and_grads
+from .in_block import (
+    DROPOUT,
+    POS_BIAS,
+    TIME_BIAS,
+    InBlock,
+    bucket_tile,
+    dropout_factors,
+    tile_probs_and_grads,
+)
 from .launch import launch
 from .tiles import (
     LOG2E,
@@ -151,13 +161,114 @@ def _rows_in_warps(ds, offs_i, offs_j):
             gl.arange(0, BLOCK, layout=gl.SliceLayout(0, _ROWS_IN_WARPS)))
 
 
+# The time bias's gradient, summed per bucket in shared memory once the program's products are done (the non-GQA
+# kernel's end, where every buffer is dead; Gluon has no indexed stores to shared memory, hence PTX). Per-thread
+# bins of W buckets a pass: [W, 128] fp32 from the start of the dynamic shared memory (Triton's `global_smem`;
+# W * 512 bytes, within the 512 * D bytes of the tiles, as W <= D), bucket b of thread t at (b * 128 + t) * 4, so
+# that a warp's 32 lanes hit 32 banks whatever their buckets. Each thread adds its own pairs in a fixed order (a
+# load, an add and a store each: no atomics); then each bucket's 128 bins are summed in a fixed order by 128 / W
+# threads, lane l reading thread (l + k) % 32 of each 32 at step k (again 32 banks). Bitwise reproducible. At
+# `ads` (about 36 buckets a block) this took the time bias's backward from 6.19 to 4.44 ms (the plain one: 3.94):
+# a few instructions a pair, where a compare, a select and an add per pair and bucket took 2 ms.
+def _zero_bins_asm(width: int) -> str:
+    stores = "\n".join(f"st.shared.v4.f32 [a+{k * 2048}], {{z, z, z, z}};" for k in range(width // 4))
+    return f"""{{
+    .reg .b32 a;
+    .reg .f32 z;
+    mov.f32 z, 0f00000000;
+    mov.u32 a, global_smem;
+    mad.lo.u32 a, $1, 16, a;
+    {stores}
+    mov.u32 $0, 0;
+    }}"""
+
+
+def _sum_bins_asm(width: int) -> str:
+    chunks = 4 * width // 128  # of 32 threads' bins, per thread: 128 // width threads share a value
+    steps = []
+    for k in range(32):
+        steps.append(f"add.u32 r, l, {k}; and.b32 r, r, 31; mad.lo.u32 a, r, 4, row;")
+        steps += [f"ld.shared.f32 x, [a+{c * 128}]; add.f32 s, s, x;" for c in range(chunks)]
+    body = "\n".join(steps)
+    return f"""{{
+    .reg .b32 row, l, r, a;
+    .reg .f32 s, x;
+    and.b32 row, $1, {width - 1};
+    mov.u32 a, global_smem;
+    mad.lo.u32 row, row, 512, a;
+    shr.u32 r, $1, {width.bit_length() - 1};
+    mad.lo.u32 row, r, {chunks * 128}, row;
+    and.b32 l, $1, 31;
+    mov.f32 s, 0f00000000;
+    {body}
+    mov.b32 $0, s;
+    }}"""
+
+
+def _add_to_bins_asm(width: int) -> str:
+    return f"""{{
+    .reg .pred p;
+    .reg .b32 a, t;
+    .reg .f32 x;
+    setp.lt.u32 p, $2, {width};
+    @p mov.u32 t, %tid.x;
+    @p mov.u32 a, global_smem;
+    @p mad.lo.u32 a, t, 4, a;
+    @p mad.lo.u32 a, $2, 512, a;
+    @p ld.shared.f32 x, [a];
+    @p add.f32 x, x, $1;
+    @p st.shared.f32 [a], x;
+    mov.u32 $0, 0;
+    }}"""
+
+
+_ZERO_32, _ADD_32, _SUM_32 = (gl.constexpr(f(32)) for f in (_zero_bins_asm, _add_to_bins_asm, _sum_bins_asm))
+_ZERO_64, _ADD_64, _SUM_64 = (gl.constexpr(f(64)) for f in (_zero_bins_asm, _add_to_bins_asm, _sum_bins_asm))
+_ZERO_128, _ADD_128, _SUM_128 = (gl.constexpr(f(128)) for f in (_zero_bins_asm, _add_to_bins_asm, _sum_bins_asm))
+# One element per thread: thread t holds element t.
+_THREADS_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+
+
+@gluon.jit
+def _bins_pass(ds, rel, threads, zero_asm: gl.constexpr, add_asm: gl.constexpr, sum_asm: gl.constexpr):
+    """One pass of the bins (see above) on buckets ``rel`` (relative to the pass's first): each thread's share of
+    each bucket's sum, in ``threads``' layout."""
+    barrier()  # every thread is done with the shared memory (the products, the last pass)
+    gl.inline_asm_elementwise(zero_asm, "=r,r", [threads], dtype=gl.int32, is_pure=False, pack=1)
+    barrier()
+    gl.inline_asm_elementwise(add_asm, "=r,f,r", [ds, rel], dtype=gl.int32, is_pure=False, pack=1)
+    barrier()
+    shares = gl.inline_asm_elementwise(sum_asm, "=f,r", [threads], dtype=gl.float32, is_pure=False, pack=1)
+    barrier()  # Triton's own scratch (the caller's sum across warps) knows nothing of the bins' reads
+    return shares
+
+
+@gluon.jit
+def _sums_in_bins(ds, index, row_ptr, count, WIDTH: gl.constexpr):
+    """Sum the fp32 ``ds`` tile over each value of ``index`` (its layout, ``0 <= index < count``) into the partial
+    row at ``row_ptr`` (``count`` wide), ``WIDTH`` values a pass through shared memory (see above: every thread of
+    the program calls this once its shared memory is dead)."""
+    threads = gl.arange(0, 128, layout=_THREADS_LAYOUT)
+    for base in range(0, count, WIDTH):
+        if WIDTH == 32:
+            shares = _bins_pass(ds, index - base, threads, _ZERO_32, _ADD_32, _SUM_32)
+        elif WIDTH == 64:
+            shares = _bins_pass(ds, index - base, threads, _ZERO_64, _ADD_64, _SUM_64)
+        else:
+            shares = _bins_pass(ds, index - base, threads, _ZERO_128, _ADD_128, _SUM_128)
+        # 128 // WIDTH threads per value, thread t's share of value t % WIDTH: summed in a fixed order.
+        sums = gl.sum(gl.reshape(shares, [128 // WIDTH, WIDTH]), axis=0)
+        values = base + gl.arange(0, WIDTH, layout=sums.type.layout)
+        gl.store(row_ptr + values, sums, mask=values < count)
+
+
 @gluon.jit
 def _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scale_log2, mods, dpos_ptr, dtime_ptr,
-                     scores_layout: gl.constexpr, IN_BLOCK: gl.constexpr):
-    """``(P, dS)`` of one (block, query head) in the inputs' dtype from the landed tiles, ``dS`` times ``scale``.
-    With in-block options (``IN_BLOCK``, arguments ``mods``: ``in_block.kernel_args``) the Triton
-    kernels' own tile code runs on this kernel's layouts, and the block's share of the bias gradients goes to row
-    ``slot_head`` of the partial buffers."""
+                     scores_layout: gl.constexpr, IN_BLOCK: gl.constexpr, SUMMED: gl.constexpr):
+    """``(P, dS, dS in fp32)`` of one (block, query head), the first two in the inputs' dtype, from the landed
+    tiles, ``dS`` times ``scale``. With in-block options (``IN_BLOCK``, arguments ``mods``:
+    ``in_block.kernel_args``) the Triton kernels' own tile code runs on this kernel's layouts, and the block's share
+    of the gradients of the biases in ``SUMMED`` goes to row ``slot_head`` of the partial buffers."""
     BLOCK: gl.constexpr = q.shape[0]
     zeros = gl.zeros([BLOCK, BLOCK], gl.float32, scores_layout)
     scores = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)
@@ -173,14 +284,15 @@ def _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scal
     if IN_BLOCK:
         offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
         offs_16 = gl.arange(0, 16, layout=gl.SliceLayout(0, scores_layout))
-        p, ds = tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, length > 0, offs_i, offs_j,
-                                     offs_16, qk_scale_log2, scale, q.dtype, mods, dpos_ptr, dtime_ptr, BLOCK, IN_BLOCK,
-                                     _rows_in_warps)
+        p, ds, ds32 = tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, length > 0, offs_i,
+                                           offs_j, offs_16, qk_scale_log2, scale, q.dtype, mods, dpos_ptr, dtime_ptr,
+                                           BLOCK, IN_BLOCK, _rows_in_warps, SUMMED)
     else:
         p = softmax_probs(scores, offs_j < length, qk_scale_log2)
         ds = grad_scores(p, dp, q.dtype, scale)  # before P is rounded: p and dp die sooner
         p = p.to(q.dtype)
-    return p, ds
+        ds32 = dp  # not read
+    return p, ds, ds32
 
 
 @gluon.jit
@@ -191,10 +303,11 @@ def _block_attention_bwd_sm90_kernel(
     stride_dqn, stride_dkn, stride_dvn, stride_sn, stride_sd,
     dpos_ptr, dtime_ptr, pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr,
     stride_tbh, stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale,
-    NUM_HEADS: gl.constexpr, ROTATE: gl.constexpr, IN_BLOCK: gl.constexpr,
+    NUM_HEADS: gl.constexpr, ROTATE: gl.constexpr, IN_BLOCK: gl.constexpr, TIME_BINS: gl.constexpr,
 ):
     # Heads vary fastest, as in the Triton kernels. ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the rotated operands.
-    # IN_BLOCK: the in-block options, as in the Triton kernels (their arguments ``mods``).
+    # IN_BLOCK: the in-block options, as in the Triton kernels (their arguments ``mods``). The time bias's gradient
+    # is summed at the end, TIME_BINS buckets a pass (_sums_in_bins).
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -240,8 +353,8 @@ def _block_attention_bwd_sm90_kernel(
         _prepare_tile(do, sin, cos, row_ok, grad_layout, 0, partial)
         fence_async_shared()
 
-        p, ds = _probs_and_grads(q, k, v, do, start, length, head, pid, scale, qk_scale_log2, mods, dpos_ptr,
-                                 dtime_ptr, scores_layout, IN_BLOCK)
+        p, ds, ds32 = _probs_and_grads(q, k, v, do, start, length, head, pid, scale, qk_scale_log2, mods, dpos_ptr,
+                                       dtime_ptr, scores_layout, IN_BLOCK, POS_BIAS)
         probs.store(p)
         fence_async_shared()
         zeros = gl.zeros([BLOCK, D], gl.float32, grad_layout)
@@ -256,6 +369,11 @@ def _block_attention_bwd_sm90_kernel(
         dq = warpgroup_mma(probs, k, zeros, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         _store_gradient(dq, q, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos, ROTATE_Q & ROTATE)
+        if TIME_BIAS & IN_BLOCK:
+            offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
+            offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
+            bucket = bucket_tile(start, start + offs_i, offs_i < length, offs_j, mods)
+            _sums_in_bins(ds32, bucket, dtime_ptr + pid.to(gl.int64) * num_buckets, num_buckets, TIME_BINS)
 
 
 @gluon.jit
@@ -364,8 +482,8 @@ def _block_attention_bwd_sm90_gqa_kernel(
 
             head = kv_head * GROUP + g
             slot_head = (pid // NUM_KV_HEADS) * (NUM_KV_HEADS * GROUP) + head
-            p, ds = _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scale_log2, mods,
-                                     dpos_ptr, dtime_ptr, scores_layout, IN_BLOCK)
+            p, ds, _ = _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scale_log2, mods,
+                                        dpos_ptr, dtime_ptr, scores_layout, IN_BLOCK, POS_BIAS | TIME_BIAS)
             probs.store(p)
             fence_async_shared()
             dv0, dv1 = _product_parts(probs.permute((1, 0)), do, dv0, dv1, PARTS)
@@ -427,6 +545,13 @@ def _descriptor(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(t, [n, h * d], [t.stride(0), 1], [_BLOCK_SIZE, d], _tile_layout(d, t.dtype))
 
 
+def _time_bins(options: InBlock, head_dim: int) -> int:
+    """Buckets a pass of the time bias's sums in the non-GQA kernel: the bias's width up to a power of two, at least
+    32 and at most what the tiles' shared memory holds (``head_dim``: 128 buckets need 64 KiB)."""
+    width = 1 if options.time_bias is None else options.time_bias.shape[1]
+    return min(head_dim, max(32, 1 << (width - 1).bit_length()))
+
+
 def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              offsets: torch.Tensor, table: BlockTable, block_size: int, scale: float,
                              sinu_pos: torch.Tensor | None, rotate: int, options: InBlock,
@@ -441,7 +566,7 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         return in_block.summed_bias_grads(options, partials)
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     if h == kv_heads:
-        kernel, heads = _block_attention_bwd_sm90_kernel, {"NUM_HEADS": h}
+        kernel, heads = _block_attention_bwd_sm90_kernel, {"NUM_HEADS": h, "TIME_BINS": _time_bins(options, d)}
     else:
         # Column halves at D = 128, whole rows below (H100, `ads` lengths, times over the floor: at D = 128 plain
         # 1.02x either way, with a rotary and fp32 angles 1.80-1.92x against 1.86-2.47x for whole rows; at D = 64

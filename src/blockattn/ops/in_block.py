@@ -304,7 +304,7 @@ def bucket_table_kernel(buckets_ptr, timestamps_ptr, stride_ts, edges_ptr, num_b
 
 
 @triton.jit
-def _bucket_tile(start, rows, row_ok, offs_j, mods):
+def bucket_tile(start, rows, row_ok, offs_j, mods):
     """``[BS, BS]`` int32 buckets of one block from the call's table for query ``rows`` (those not ``row_ok``, past
     the block's end: its first row's)."""
     rows = tl.where(row_ok, rows, start).to(tl.int64)
@@ -395,7 +395,7 @@ def block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SI
     times the dropout factors. ``mods``: the kernels' in-block arguments (:func:`kernel_args`) as one tuple."""
     offs = tl.arange(0, BLOCK_SIZE)
     if TIME_BIAS & IN_BLOCK:
-        bucket = _bucket_tile(start, rows, row_ok, offs, mods)
+        bucket = bucket_tile(start, rows, row_ok, offs, mods)
     else:
         bucket = rows  # not read
     if (CAUSAL | POS_BIAS | TIME_BIAS) & IN_BLOCK:
@@ -411,14 +411,16 @@ def block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SI
 @triton.jit
 def tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write_bias_grads, offs_i, offs_j,
                          offs_16, qk_scale_log2, ds_scale, dtype: tl.constexpr, mods, dpos_ptr, dtime_ptr,
-                         BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr, DIAGONALS_TILE: tl.constexpr):
-    """The backward's ``(P, dS)`` of one (block, head) in ``dtype``, ``P`` with the dropout factors ``keep``
-    (:func:`dropout_factors`, read under ``DROPOUT`` only) applied (it multiplies dO into dV) and
-    ``dS = P * (dP - rowsum(P * dP))`` times ``ds_scale``, where ``dP`` (of the undropped probabilities) is
-    ``dO V^T`` times the same factors. Where ``write_bias_grads``, the block's share of the bias gradients goes to
-    row ``slot_head`` of the partial buffers (``DIAGONALS_TILE``: see ``_write_bias_grads``)."""
+                         BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr, DIAGONALS_TILE: tl.constexpr,
+                         SUMMED: tl.constexpr):
+    """The backward's ``(P, dS, dS in fp32)`` of one (block, head), the first two in ``dtype``: ``P`` with the
+    dropout factors ``keep`` (:func:`dropout_factors`, read under ``DROPOUT`` only) applied (it multiplies dO into
+    dV), ``dS = P * (dP - rowsum(P * dP))`` (times ``ds_scale`` in ``dtype``), where ``dP`` (of the undropped
+    probabilities) is ``dO V^T`` times the same factors. Where ``write_bias_grads``, the block's share of the
+    gradients of the biases in ``SUMMED`` (``POS_BIAS | TIME_BIAS``, or fewer where the caller sums one itself) goes
+    to row ``slot_head`` of the partial buffers (``DIAGONALS_TILE``: see ``_write_bias_grads``)."""
     if TIME_BIAS & IN_BLOCK:
-        bucket = _bucket_tile(start, start + offs_i, offs_i < length, offs_j, mods)
+        bucket = bucket_tile(start, start + offs_i, offs_i < length, offs_j, mods)
     else:
         bucket = offs_i  # not read
     key_ok = offs_j < length
@@ -430,12 +432,12 @@ def tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write
     if DROPOUT & IN_BLOCK:
         dp = dp * keep
     ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
-    if (POS_BIAS | TIME_BIAS) & IN_BLOCK:
+    if SUMMED & IN_BLOCK:
         _write_bias_grads(ds, bucket, slot_head, write_bias_grads, dpos_ptr, dtime_ptr, mods[8], offs_i, offs_j,
-                          offs_16, BLOCK_SIZE, IN_BLOCK, DIAGONALS_TILE)
+                          offs_16, BLOCK_SIZE, SUMMED & IN_BLOCK, DIAGONALS_TILE)
     if DROPOUT & IN_BLOCK:
         p = p * keep
-    return p.to(dtype), (ds * ds_scale).to(dtype)
+    return p.to(dtype), (ds * ds_scale).to(dtype), ds
 
 
 @triton.jit
@@ -454,6 +456,7 @@ def block_probs_and_grads(scores, dp, start, length, head, slot_head, write_bias
         keep = dropout_factors(start, head, mods, offs, tl.arange(0, BLOCK_SIZE // 4), BLOCK_SIZE)
     else:
         keep = 1.0  # not read
-    return tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write_bias_grads, offs, offs,
-                                tl.arange(0, 16), qk_scale_log2, ds_scale, dtype, mods, dpos_ptr, dtime_ptr,
-                                BLOCK_SIZE, IN_BLOCK, _as_given)
+    p, ds, _ = tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write_bias_grads, offs, offs,
+                                    tl.arange(0, 16), qk_scale_log2, ds_scale, dtype, mods, dpos_ptr, dtime_ptr,
+                                    BLOCK_SIZE, IN_BLOCK, _as_given, POS_BIAS | TIME_BIAS)
+    return p, ds
