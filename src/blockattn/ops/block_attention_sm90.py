@@ -15,12 +15,13 @@ the next head's q and dO landing in a second buffer, and dk and dv accumulate in
 Both take the in-block options (causal mask, position and time biases, dropout): the Triton kernels' own tile
 code (``in_block.tile_probs_and_grads``) runs on the score tile in the products' layout, the dropout's Philox words
 computed while the products run and brought to that layout, and the position bias's gradient gathering dS along
-rows that each sit in one warp. Without GQA the time bias's gradient is summed per bucket at the program's end, in
-per-thread bins where the tiles were (``_sums_in_bins``). At ``ads`` (H100, bf16) their backward costs 1.00x
-(causal, dropout), 1.04x (position bias) and 1.13x (time bias; 1.62x with a compare-and-add per pair and bucket)
-the plain one, against 1.11-1.23x and 2.16x in the Triton one-block kernel; with GQA 4:1 (8 query heads) at
-D = 128, 4.8-16.2 ms against 11.2-29.6 ms there without the time bias and 20.3 against 23.6 ms with it, at D = 64
-2.4-7.3 ms against 2.8-10.4 ms.
+rows that each sit in one warp. Without GQA both biases' gradients are summed at the program's end, once the
+products no longer hold registers and shared memory: the time bias's per bucket in per-thread bins where the tiles
+were (``_sums_in_bins``). At ``ads`` (H100, bf16) their backward costs 1.00x (causal, dropout), 1.05x (position
+bias), 1.13x (time bias; 1.62x with a compare-and-add per pair and bucket in the tile code) and 1.17x (both biases
+with the causal mask; 1.83x) the plain one, against 1.11-1.23x and 2.16x in the Triton one-block kernel; with GQA
+4:1 (8 query heads) at D = 128, 4.8-16.2 ms against 11.2-29.6 ms there without the time bias and 20.3 against
+23.6 ms with it, at D = 64 2.4-7.3 ms against 2.8-10.4 ms.
 
 Measured against the Triton kernels they replace (docs/benchmarks.md, times over the memory floor): without GQA,
 the rotary backward at the ``ads-rotary`` shape 1.18x -> 1.05x on an H100 and 1.45x -> 1.30x on an H200, the plain
@@ -55,6 +56,7 @@ from .in_block import (
     bucket_tile,
     dropout_factors,
     tile_probs_and_grads,
+    write_pos_bias_grad,
 )
 from .launch import launch
 from .tiles import (
@@ -155,7 +157,7 @@ def _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK: gl.conste
 
 @gluon.jit
 def _rows_in_warps(ds, offs_i, offs_j):
-    """``ds`` and its row and column offsets in ``_ROWS_IN_WARPS`` (``in_block._write_bias_grads``' diagonals)."""
+    """``ds`` and its row and column offsets in ``_ROWS_IN_WARPS`` (``write_pos_bias_grad``'s diagonals)."""
     BLOCK: gl.constexpr = ds.shape[0]
     return (gl.convert_layout(ds, _ROWS_IN_WARPS), gl.arange(0, BLOCK, layout=gl.SliceLayout(1, _ROWS_IN_WARPS)),
             gl.arange(0, BLOCK, layout=gl.SliceLayout(0, _ROWS_IN_WARPS)))
@@ -306,8 +308,9 @@ def _block_attention_bwd_sm90_kernel(
     NUM_HEADS: gl.constexpr, ROTATE: gl.constexpr, IN_BLOCK: gl.constexpr, TIME_BINS: gl.constexpr,
 ):
     # Heads vary fastest, as in the Triton kernels. ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the rotated operands.
-    # IN_BLOCK: the in-block options, as in the Triton kernels (their arguments ``mods``). The time bias's gradient
-    # is summed at the end, TIME_BINS buckets a pass (_sums_in_bins).
+    # IN_BLOCK: the in-block options, as in the Triton kernels (their arguments ``mods``). The biases' gradients are
+    # summed at the end, where the registers of the products are free and shared memory is dead: the time bias's
+    # TIME_BINS buckets a pass (_sums_in_bins).
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -354,7 +357,7 @@ def _block_attention_bwd_sm90_kernel(
         fence_async_shared()
 
         p, ds, ds32 = _probs_and_grads(q, k, v, do, start, length, head, pid, scale, qk_scale_log2, mods, dpos_ptr,
-                                       dtime_ptr, scores_layout, IN_BLOCK, POS_BIAS)
+                                       dtime_ptr, scores_layout, IN_BLOCK, 0)
         probs.store(p)
         fence_async_shared()
         zeros = gl.zeros([BLOCK, D], gl.float32, grad_layout)
@@ -369,9 +372,11 @@ def _block_attention_bwd_sm90_kernel(
         dq = warpgroup_mma(probs, k, zeros, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         _store_gradient(dq, q, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos, ROTATE_Q & ROTATE)
+        offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
+        offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
+        if POS_BIAS & IN_BLOCK:
+            write_pos_bias_grad(ds32, pid, length > 0, dpos_ptr, offs_i, offs_j, BLOCK, _rows_in_warps)
         if TIME_BIAS & IN_BLOCK:
-            offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
-            offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
             bucket = bucket_tile(start, start + offs_i, offs_i < length, offs_j, mods)
             _sums_in_bins(ds32, bucket, dtime_ptr + pid.to(gl.int64) * num_buckets, num_buckets, TIME_BINS)
 
@@ -552,6 +557,15 @@ def _time_bins(options: InBlock, head_dim: int) -> int:
     return min(head_dim, max(32, 1 << (width - 1).bit_length()))
 
 
+def _register_cap(options: InBlock, rotate: int, gqa: bool) -> dict:
+    """168 registers a thread (three programs an SM, as the tiles' shared memory allows) for both biases together,
+    without GQA, a rotary or dropout: at `ads` on an H100 causal + both biases 5.16-5.17 ms uncapped (216
+    registers), 4.64 capped (28 bytes spill). The time bias alone loses capped (4.67 against 4.48 ms); the position
+    bias alone takes 168 anyway; with dropout or a rotary shared memory or spills hold the kernel to two."""
+    both = options.pos_bias is not None and options.time_bias is not None
+    return {"maxnreg": 168} if both and options.dropout_p == 0 and not rotate and not gqa else {}
+
+
 def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              offsets: torch.Tensor, table: BlockTable, block_size: int, scale: float,
                              sinu_pos: torch.Tensor | None, rotate: int, options: InBlock,
@@ -581,5 +595,6 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
         stride_sn=stride_sn, stride_sd=stride_sd, dpos_ptr=partials[0], dtime_ptr=partials[1],
         **in_block.call_args(options, q, offsets, table, block_size), **heads, ROTATE=rotate, num_warps=4,
+        **_register_cap(options, rotate, h != kv_heads),
     )
     return in_block.summed_bias_grads(options, partials)

@@ -350,42 +350,45 @@ def _bitwise_or(a, b):
 
 
 @triton.jit
-def _write_bias_grads(ds, bucket, slot_head, write, dpos_ptr, dtime_ptr, num_buckets, offs_i, offs_j, offs_16,
-                      BLOCK_SIZE: tl.constexpr, IN_BLOCK: tl.constexpr, DIAGONALS_TILE: tl.constexpr):
-    """One (block, head)'s share of the bias gradients, ``ds = dL/ds(i, j)`` (fp32, zero off the valid pairs),
-    into row ``slot_head`` of the partial buffers where ``write``: the sums of ``ds`` along each diagonal ``j - i``
-    (the position bias; on ``DIAGONALS_TILE(ds, offs_i, offs_j)``, the tile and offsets in the layout that sums
-    them best) and over each time bucket present in the block."""
-    if POS_BIAS & IN_BLOCK:
-        WIDTH: tl.constexpr = 2 * BLOCK_SIZE - 1
-        diag_ds, diag_i, diag_j = DIAGONALS_TILE(ds, offs_i, offs_j)
-        # skew[i, c] = ds[i, (i + c) % BS]: column c holds diagonal c (i + c < BS) and diagonal c - BS (wrapped).
-        shifted = diag_i[:, None] + diag_j[None, :]
-        wrapped = shifted >= BLOCK_SIZE
-        skew = tl.gather(diag_ds, tl.where(wrapped, shifted - BLOCK_SIZE, shifted), axis=1)
-        upper = tl.sum(tl.where(wrapped, 0.0, skew), axis=0)
-        lower = tl.sum(tl.where(wrapped, skew, 0.0), axis=0)
-        base = dpos_ptr + slot_head.to(tl.int64) * WIDTH
-        written = diag_j < BLOCK_SIZE * write.to(tl.int32)  # all or none
-        tl.store(base + (BLOCK_SIZE - 1) + diag_j, upper, mask=written)
-        tl.store(base + diag_j - 1, lower, mask=(diag_j > 0) & written)
-    if TIME_BIAS & IN_BLOCK:
-        # Per bucket present, row sums (within a warp: no barrier), gathered 16 buckets wide and summed over the
-        # rows once per 16; buckets the block lacks (a bit mask per 64) are skipped.
-        base = dtime_ptr + slot_head.to(tl.int64) * num_buckets
-        last = tl.where(write, tl.max(tl.max(bucket, axis=1), axis=0), -1)
-        for b0 in range(0, last + 1, 64):
-            in_range = (bucket >= b0) & (bucket < b0 + 64)
-            bits = tl.where(in_range, 1, 0).to(tl.int64) << tl.where(in_range, bucket - b0, 0).to(tl.int64)
-            present = tl.reduce(bits, None, _bitwise_or)
-            for c0 in range(b0, tl.minimum(b0 + 64, last + 1), 16):
-                cols = c0 + offs_16
-                sums = (offs_i[:, None] * 0 + offs_16[None, :] * 0).to(tl.float32)  # zeros, [BS, 16]
-                for b in range(c0, tl.minimum(c0 + 16, last + 1)):
-                    if (present >> (b - b0)) & 1:
-                        row_sums = tl.sum(tl.where(bucket == b, ds, 0.0), axis=1)
-                        sums = tl.where(cols[None, :] == b, row_sums[:, None], sums)
-                tl.store(base + cols, tl.sum(sums, axis=0), mask=cols <= last)
+def write_pos_bias_grad(ds, slot_head, write, dpos_ptr, offs_i, offs_j, BLOCK_SIZE: tl.constexpr,
+                        DIAGONALS_TILE: tl.constexpr):
+    """One (block, head)'s share of the position bias's gradient, the sums of ``ds = dL/ds(i, j)`` (fp32, zero off
+    the valid pairs) along each diagonal ``j - i``, into row ``slot_head`` of its partial buffer where ``write``;
+    on ``DIAGONALS_TILE(ds, offs_i, offs_j)``: the tile and offsets in the layout that sums them best."""
+    WIDTH: tl.constexpr = 2 * BLOCK_SIZE - 1
+    diag_ds, diag_i, diag_j = DIAGONALS_TILE(ds, offs_i, offs_j)
+    # skew[i, c] = ds[i, (i + c) % BS]: column c holds diagonal c (i + c < BS) and diagonal c - BS (wrapped).
+    shifted = diag_i[:, None] + diag_j[None, :]
+    wrapped = shifted >= BLOCK_SIZE
+    skew = tl.gather(diag_ds, tl.where(wrapped, shifted - BLOCK_SIZE, shifted), axis=1)
+    upper = tl.sum(tl.where(wrapped, 0.0, skew), axis=0)
+    lower = tl.sum(tl.where(wrapped, skew, 0.0), axis=0)
+    base = dpos_ptr + slot_head.to(tl.int64) * WIDTH
+    written = diag_j < BLOCK_SIZE * write.to(tl.int32)  # all or none
+    tl.store(base + (BLOCK_SIZE - 1) + diag_j, upper, mask=written)
+    tl.store(base + diag_j - 1, lower, mask=(diag_j > 0) & written)
+
+
+@triton.jit
+def _write_time_bias_grad(ds, bucket, slot_head, write, dtime_ptr, num_buckets, offs_i, offs_16):
+    """One (block, head)'s share of the time bias's gradient, the sums of ``ds`` over each time bucket present in
+    the block, into row ``slot_head`` of its partial buffer where ``write``. Per bucket present, row sums (within a
+    warp: no barrier), gathered 16 buckets wide and summed over the rows once per 16; buckets the block lacks (a bit
+    mask per 64) are skipped."""
+    base = dtime_ptr + slot_head.to(tl.int64) * num_buckets
+    last = tl.where(write, tl.max(tl.max(bucket, axis=1), axis=0), -1)
+    for b0 in range(0, last + 1, 64):
+        in_range = (bucket >= b0) & (bucket < b0 + 64)
+        bits = tl.where(in_range, 1, 0).to(tl.int64) << tl.where(in_range, bucket - b0, 0).to(tl.int64)
+        present = tl.reduce(bits, None, _bitwise_or)
+        for c0 in range(b0, tl.minimum(b0 + 64, last + 1), 16):
+            cols = c0 + offs_16
+            sums = (offs_i[:, None] * 0 + offs_16[None, :] * 0).to(tl.float32)  # zeros, [BS, 16]
+            for b in range(c0, tl.minimum(c0 + 16, last + 1)):
+                if (present >> (b - b0)) & 1:
+                    row_sums = tl.sum(tl.where(bucket == b, ds, 0.0), axis=1)
+                    sums = tl.where(cols[None, :] == b, row_sums[:, None], sums)
+            tl.store(base + cols, tl.sum(sums, axis=0), mask=cols <= last)
 
 
 @triton.jit
@@ -418,7 +421,7 @@ def tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write
     dV), ``dS = P * (dP - rowsum(P * dP))`` (times ``ds_scale`` in ``dtype``), where ``dP`` (of the undropped
     probabilities) is ``dO V^T`` times the same factors. Where ``write_bias_grads``, the block's share of the
     gradients of the biases in ``SUMMED`` (``POS_BIAS | TIME_BIAS``, or fewer where the caller sums one itself) goes
-    to row ``slot_head`` of the partial buffers (``DIAGONALS_TILE``: see ``_write_bias_grads``)."""
+    to row ``slot_head`` of the partial buffers (``DIAGONALS_TILE``: see :func:`write_pos_bias_grad`)."""
     if TIME_BIAS & IN_BLOCK:
         bucket = bucket_tile(start, start + offs_i, offs_i < length, offs_j, mods)
     else:
@@ -432,9 +435,10 @@ def tile_probs_and_grads(scores, dp, keep, start, length, head, slot_head, write
     if DROPOUT & IN_BLOCK:
         dp = dp * keep
     ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
-    if SUMMED & IN_BLOCK:
-        _write_bias_grads(ds, bucket, slot_head, write_bias_grads, dpos_ptr, dtime_ptr, mods[8], offs_i, offs_j,
-                          offs_16, BLOCK_SIZE, SUMMED & IN_BLOCK, DIAGONALS_TILE)
+    if POS_BIAS & SUMMED & IN_BLOCK:
+        write_pos_bias_grad(ds, slot_head, write_bias_grads, dpos_ptr, offs_i, offs_j, BLOCK_SIZE, DIAGONALS_TILE)
+    if TIME_BIAS & SUMMED & IN_BLOCK:
+        _write_time_bias_grad(ds, bucket, slot_head, write_bias_grads, dtime_ptr, mods[8], offs_i, offs_16)
     if DROPOUT & IN_BLOCK:
         p = p * keep
     return p.to(dtype), (ds * ds_scale).to(dtype), ds
