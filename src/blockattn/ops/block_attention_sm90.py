@@ -170,7 +170,7 @@ def _rows_in_warps(ds, offs_i, offs_j):
 # that a warp's 32 lanes hit 32 banks whatever their buckets. Each thread adds its own pairs in a fixed order (a
 # load, an add and a store each: no atomics); then each bucket's 128 bins are summed in a fixed order by 128 / W
 # threads, lane l reading thread (l + k) % 32 of each 32 at step k (again 32 banks). Bitwise reproducible. At
-# `ads` (about 36 buckets a block) this took the time bias's backward from 6.19 to 4.44 ms (the plain one: 3.94):
+# `ads` (about 36 buckets a block) this took the time bias's backward from 6.37 to 4.45 ms (the plain one: 3.94):
 # a few instructions a pair, where a compare, a select and an add per pair and bucket took 2 ms.
 def _zero_bins_asm(width: int) -> str:
     stores = "\n".join(f"st.shared.v4.f32 [a+{k * 2048}], {{z, z, z, z}};" for k in range(width // 4))
@@ -372,13 +372,14 @@ def _block_attention_bwd_sm90_kernel(
         dq = warpgroup_mma(probs, k, zeros, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         _store_gradient(dq, q, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos, ROTATE_Q & ROTATE)
-        offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
-        offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
-        if POS_BIAS & IN_BLOCK:
-            write_pos_bias_grad(ds32, pid, length > 0, dpos_ptr, offs_i, offs_j, BLOCK, _rows_in_warps)
-        if TIME_BIAS & IN_BLOCK:
-            bucket = bucket_tile(start, start + offs_i, offs_i < length, offs_j, mods)
-            _sums_in_bins(ds32, bucket, dtime_ptr + pid.to(gl.int64) * num_buckets, num_buckets, TIME_BINS)
+        if (POS_BIAS | TIME_BIAS) & IN_BLOCK:
+            offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
+            offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
+            if POS_BIAS & IN_BLOCK:
+                write_pos_bias_grad(ds32, pid, length > 0, dpos_ptr, offs_i, offs_j, BLOCK, _rows_in_warps)
+            if TIME_BIAS & IN_BLOCK:
+                bucket = bucket_tile(start, start + offs_i, offs_i < length, offs_j, mods)
+                _sums_in_bins(ds32, bucket, dtime_ptr + pid.to(gl.int64) * num_buckets, num_buckets, TIME_BINS)
 
 
 @gluon.jit
