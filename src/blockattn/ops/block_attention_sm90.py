@@ -558,7 +558,7 @@ def _time_bins(options: InBlock, head_dim: int) -> int:
     return min(head_dim, max(32, 1 << (width - 1).bit_length()))
 
 
-def _register_cap(options: InBlock, rotate: int, gqa: bool) -> dict:
+def _backward_register_cap(options: InBlock, rotate: int, gqa: bool) -> dict:
     """168 registers a thread (three programs an SM, as the tiles' shared memory allows) for both biases together,
     without GQA, a rotary or dropout: at `ads` on an H100 causal + both biases 5.16-5.17 ms uncapped (216
     registers), 4.64 capped (28 bytes spill). The time bias alone loses capped (4.67 against 4.48 ms); the position
@@ -596,6 +596,6 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
         stride_sn=stride_sn, stride_sd=stride_sd, dpos_ptr=partials[0], dtime_ptr=partials[1],
         **in_block.call_args(options, q, offsets, table, block_size), **heads, ROTATE=rotate, num_warps=4,
-        **_register_cap(options, rotate, h != kv_heads),
+        **_backward_register_cap(options, rotate, h != kv_heads),
     )
     return in_block.summed_bias_grads(options, partials)
