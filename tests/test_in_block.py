@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 import blockattn
 from blockattn import backends
 from blockattn.block_table import build_block_table
+from blockattn.ops import block_attention as triton_ops
 from blockattn.ops import in_block
 from blockattn.ops.in_block import InBlock, dropout_keep
 from blockattn.ops.tiles import ROTATE_ALL
@@ -73,16 +74,29 @@ def test_torch_path_each_option(names, dtype, poisoned_outputs):
     assert_within_2x_pytorch(results, q, k, v, do, offsets, 16, in_block=options)
 
 
-@pytest.mark.parametrize("block_size,head_dim,hq,hkv", [(16, 256, 2, 2), (32, 200, 4, 1)] + (
-    [(128, 136, 2, 1), (64, 128, 2, 2), (64, 128, 4, 2)] if HAS_GPU else []))
+@pytest.mark.parametrize("block_size,head_dim,hq,hkv", [(16, 256, 2, 2), (32, 200, 4, 1), (64, 128, 2, 2)] + (
+    [(128, 136, 2, 1), (64, 128, 4, 2)] if HAS_GPU else []))
 def test_kernels_all_options_head_dims_and_slices(block_size, head_dim, hq, hkv, poisoned_outputs):
     """Head dims that split into slices (several programs share a block's dS: one writes the bias gradients), and
     the production shape with and without GQA (its persistent backward takes no options: the one-block kernel
-    does, on whole rows)."""
+    does, on whole rows; without GQA the forward takes 64-wide slices with these options)."""
     q, k, v, do, offsets = random_inputs([block_size + 3, 5], hq, hkv, head_dim, torch.float16, KERNEL_DEVICE)
     options = make_options("all", hq, block_size, q.shape[0], KERNEL_DEVICE)
     results = run_backend("triton", q, k, v, do, offsets, block_size, in_block=options)
     assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, in_block=options)
+
+
+def test_forward_slices_narrow_with_two_tile_options():
+    """The production shape's forward (64-token blocks, D = 128, no GQA) takes 64-wide slices with two or more of
+    the position bias, the time bias and dropout; with one of them (and the causal mask) whole rows."""
+    bit = {"causal": in_block.CAUSAL, "pos": in_block.POS_BIAS, "time": in_block.TIME_BIAS, "dropout": in_block.DROPOUT}
+
+    def chunk(*names, **kwargs):
+        bits = sum(bit[name].value for name in names)
+        return triton_ops.kernel_config(64, 128, backward=False, in_block_bits=bits, **kwargs)["CHUNK"]
+    assert chunk("pos", "dropout") == chunk("time", "dropout") == chunk("causal", "pos", "time") == 64
+    assert chunk() == chunk("causal") == chunk("causal", "time") == chunk("dropout") == 128
+    assert chunk("pos", "time", group=2) == chunk("pos", "time", rotary=True) == 128
 
 
 @pytest.mark.parametrize("heads,names", [((4, 1), "all")] + ([((2, 2), "causal+pos+time")] if HAS_GPU else []))
@@ -307,6 +321,83 @@ def test_qkv_block_attention_with_options():
         torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-9)
 
 
+@pytest.mark.parametrize("names", ["time", "causal+pos+time"])
+def test_kernels_on_a_prebuilt_bucket_table(names, poisoned_outputs):
+    """The kernels on a table of time buckets built once (a layout's, ``in_block.bucket_table``) give the bits of
+    those that build their own per call, forward and backward."""
+    q, k, v, do, offsets = random_inputs(odd_lengths(32), 4, 2, 32, torch.float16, KERNEL_DEVICE)
+    options = make_options(names, 4, 32, q.shape[0], KERNEL_DEVICE, num_buckets=40)
+    table = build_block_table(offsets, q.shape[0], 32)
+    buckets = in_block.bucket_table(options.timestamps, 40, options.bucket_width, offsets, table, 32)
+    assert buckets.shape == (q.shape[0], 32) and buckets.dtype == torch.uint8
+    per_call = run_backend("triton", q, k, v, do, offsets, 32, in_block=options)
+    prebuilt = run_backend("triton", q, k, v, do, offsets, 32, in_block=options._replace(buckets=buckets))
+    assert all(torch.equal(a, b) for a, b in zip(per_call, prebuilt))
+    # The given table is what the kernels read: another one changes the output.
+    other = run_backend("triton", q, k, v, do, offsets, 32, in_block=options._replace(buckets=buckets // 2))
+    assert not torch.equal(other[0], per_call[0])
+
+
+def test_layout_with_timestamps_matches_per_call_timestamps():
+    """A layout built with the timestamps stands for them (and their width) in every call: the same outputs and
+    gradients as passing them per call, for block_attention and the packed projection; on the CPU the layout holds
+    no table (the PyTorch path buckets per call)."""
+    lengths, hq, d, bs = [40, 0, 17, 33], 2, 16, 16
+    q, k, v, do, offsets = random_inputs(lengths, hq, hq, d, torch.float32, "cpu")
+    times = torch.randint(0, 10**5, (q.shape[0],))
+    layout = blockattn.block_layout(offsets, q.shape[0], bs, timestamps=times, num_time_buckets=12,
+                                    time_bucket_width=0.5)
+    assert layout.time_buckets is None and layout.time_bucket_width == 0.5
+    time_bias = torch.randn(hq, 12, requires_grad=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = blockattn.block_attention(*leaves, layout, causal=True, time_bias=time_bias)
+    want = blockattn.block_attention(*leaves, offsets, block_size=bs, causal=True, timestamps=times,
+                                     time_bias=time_bias, time_bucket_width=0.5)
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got, [*leaves, time_bias], do),
+                    torch.autograd.grad(want, [*leaves, time_bias], do)):
+        assert torch.equal(a, b)
+    x, w = torch.randn(q.shape[0], 8), torch.randn(8, 3 * hq * d)
+    packed = [blockattn.qkv_block_attention(x, w, where, num_heads=hq, num_kv_heads=hq, time_bias=time_bias,
+                                            **extra)
+              for where, extra in ((layout, {}), (offsets, {"block_size": bs, "timestamps": times,
+                                                            "time_bucket_width": 0.5}))]
+    assert torch.equal(*packed)
+    # Calls without a time bias ignore the layout's timestamps.
+    assert torch.equal(blockattn.block_attention(q, k, v, layout), blockattn.block_attention(q, k, v, offsets,
+                                                                                              block_size=bs))
+
+
+def test_layout_with_timestamps_refuses_what_does_not_match():
+    q, k, v, _, offsets = random_inputs([20, 9], 2, 2, 16, torch.float32, "cpu")
+    n = q.shape[0]
+    times = torch.arange(n)
+    with pytest.raises(ValueError, match="timestamps and num_time_buckets together"):
+        blockattn.block_layout(offsets, n, 16, timestamps=times)
+    with pytest.raises(ValueError, match="timestamps and num_time_buckets together"):
+        blockattn.block_layout(offsets, n, 16, num_time_buckets=8)
+    with pytest.raises(ValueError, match="num_time_buckets must be a positive int"):
+        blockattn.block_layout(offsets, n, 16, timestamps=times, num_time_buckets=0)
+    with pytest.raises(ValueError, match=r"timestamps must be 1-D \[N\]"):
+        blockattn.block_layout(offsets, n, 16, timestamps=times[:-1], num_time_buckets=8)
+    with pytest.raises(TypeError, match="timestamps must be"):
+        blockattn.block_layout(offsets, n, 16, timestamps=times.to(torch.int16), num_time_buckets=8)
+    with pytest.raises(ValueError, match="time_bucket_width must be"):
+        blockattn.block_layout(offsets, n, 16, timestamps=times, num_time_buckets=8, time_bucket_width=0.0)
+    layout = blockattn.block_layout(offsets, n, 16, timestamps=times, num_time_buckets=8)
+    bias = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="timestamps differ from those of the BlockLayout"):
+        blockattn.block_attention(q, k, v, layout, timestamps=times.clone(), time_bias=bias)
+    with pytest.raises(ValueError, match="time_bucket_width=0.5 differs from the BlockLayout's 0.301"):
+        blockattn.block_attention(q, k, v, layout, time_bias=bias, time_bucket_width=0.5)
+    with pytest.raises(ValueError, match="time_bias has 9 buckets"):
+        blockattn.block_attention(q, k, v, layout, time_bias=torch.randn(2, 9))
+    # The layout's own timestamps and width, passed again, are accepted.
+    assert torch.equal(blockattn.block_attention(q, k, v, layout, timestamps=times, time_bias=bias,
+                                                 time_bucket_width=0.301),
+                       blockattn.block_attention(q, k, v, layout, time_bias=bias))
+
+
 def test_gradcheck_biases_float64():
     """torch.autograd.gradcheck of the biases (q, k, v have theirs in test_block_attention)."""
     q, k, v, _, offsets = random_inputs([5, 0, 19], 2, 1, 16, torch.float64, "cpu")
@@ -362,6 +453,8 @@ def test_opcheck_and_fakes_with_options():
     options.pos_bias.requires_grad_()
     torch.library.opcheck(torch.ops.blockattn.block_attention_fwd.default,
                           (q, k, v, offsets, None, 16, 0.25, 0, *args))
+    kernel_args = [t.to(KERNEL_DEVICE) for t in (offsets, *table, options.timestamps)]
+    torch.library.opcheck(torch.ops.blockattn.time_bucket_table.default, (*kernel_args, 24, 0.301, 16))
 
 
 def test_flop_counter_counts_causal_pairs():
@@ -566,3 +659,43 @@ def test_gpu_block_layout_compiles_and_captures():
         exact = reference_grads(q, k, v, do, layout.offsets, 64)
         for got, ref in zip([static_out, *(t.grad for t in leaves)], exact):
             assert snr_db(got, ref) > 40
+
+
+@requires_gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_layout_time_buckets_bitwise_compiled_and_captured(head_dim):
+    """A layout built with the timestamps holds their table of buckets on the GPU, which the forward and the
+    backward (the Hopper kernel at these shapes) read: the bits of per-call timestamps, inside torch.compile (the
+    layout built there too) and in a CUDA graph."""
+    lengths = [300, 0, 64, 129, 7]
+    q, k, v, do, offsets = random_inputs(lengths, 4, 4, head_dim, torch.bfloat16, "cuda")
+    options = make_options("causal+pos+time", 4, 64, q.shape[0], "cuda", num_buckets=40)
+    layout = blockattn.block_layout(offsets, q.shape[0], timestamps=options.timestamps, num_time_buckets=40)
+    assert layout.time_buckets.shape == (q.shape[0], 64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, options.pos_bias, options.time_bias)]
+
+    def forward(where, **extra):
+        return blockattn.block_attention(*leaves[:3], where, causal=True, pos_bias=leaves[3], time_bias=leaves[4],
+                                         **extra)
+
+    def step(forward, *args, **extra):
+        out = forward(*args, **extra)
+        return [out, *torch.autograd.grad(out, leaves, do)]
+
+    def training_step():
+        for t in leaves:
+            t.grad = None
+        out = forward(layout)
+        out.backward(do)
+        return out
+
+    graph, static_out = capture_cuda_graph(training_step)
+    graph.replay()
+    want = step(forward, offsets, timestamps=options.timestamps)
+    assert all(torch.equal(a, b) for a, b in zip([static_out, *(t.grad for t in leaves)], want))
+    assert all(torch.equal(a, b) for a, b in zip(step(forward, layout), want))
+    # The layout's table is what the kernels read: another one changes the output.
+    assert not torch.equal(forward(layout._replace(time_buckets=layout.time_buckets // 2)), want[0])
+    compiled = torch.compile(lambda offsets: forward(blockattn.block_layout(
+        offsets, q.shape[0], timestamps=options.timestamps, num_time_buckets=40)), fullgraph=True)
+    assert all(torch.equal(a, b) for a, b in zip(step(compiled, offsets), want))

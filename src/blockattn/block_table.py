@@ -180,12 +180,19 @@ def build_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int, m
 class BlockLayout(NamedTuple):
     """The block structure of one batch, built once (:func:`blockattn.block_layout`) and passed in place of
     ``offsets`` to every attention call on that batch, as FlexAttention's ``BlockMask`` is: the calls then skip
-    building the block table (the offsets' checks and two launches each)."""
+    building the block table (the offsets' checks and two launches each). With ``timestamps``, also the batch's
+    time buckets (``num_time_buckets`` of ``time_bucket_width``): ``time_buckets``, their table where the kernels
+    run (``ops.in_block.bucket_table``; None elsewhere), which every call's time bias then reads instead of building
+    its own."""
 
     offsets: torch.Tensor
     num_tokens: int
     block_size: int
     table: BlockTable
+    timestamps: torch.Tensor | None = None
+    num_time_buckets: int | None = None
+    time_bucket_width: float | None = None
+    time_buckets: torch.Tensor | None = None
 
 
 def empty_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int) -> BlockTable:

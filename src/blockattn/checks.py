@@ -15,7 +15,7 @@ import torch
 from . import devices
 from .block_table import BlockLayout, BlockTable
 from .ops.fp8 import FP8_DTYPE
-from .ops.in_block import MIN_BUCKET_WIDTH
+from .ops.in_block import DEFAULT_BUCKET_WIDTH, MIN_BUCKET_WIDTH
 from .ops.tiles import ROTATE_BITS
 
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -395,6 +395,56 @@ def _bias_table(name: str, bias, shape: tuple[int, int], what: str, q: torch.Ten
         raise ValueError(f"{name} must be on the device of q ({q.device}), got {bias.device}")
 
 
+def _timestamps(timestamps, n: int, device: torch.device, device_of: str) -> None:
+    tensor("timestamps", timestamps)
+    if timestamps.shape != (n,):
+        raise ValueError(f"timestamps must be 1-D [N] = [{n}] (one per token), got {tuple(timestamps.shape)}")
+    if timestamps.dtype not in TIMESTAMP_DTYPES:
+        raise TypeError(f"timestamps must be {_dtype_names(TIMESTAMP_DTYPES)}, got {timestamps.dtype}")
+    if timestamps.device != device:
+        raise ValueError(f"timestamps must be on the device of {device_of} ({device}), got {timestamps.device}")
+    if timestamps.requires_grad:
+        raise ValueError("timestamps requires grad, but no gradient flows to them: pass timestamps.detach()")
+
+
+def _bucket_width(time_bucket_width) -> None:
+    if (isinstance(time_bucket_width, bool) or not isinstance(time_bucket_width, (int, float))
+            or not (math.isfinite(time_bucket_width) and time_bucket_width >= MIN_BUCKET_WIDTH)):
+        raise ValueError(f"time_bucket_width must be a finite float >= {MIN_BUCKET_WIDTH}, got {time_bucket_width!r}")
+
+
+def layout_times(timestamps, num_time_buckets, time_bucket_width, offsets_: torch.Tensor, num_tokens_: int) -> None:
+    """The time-bias arguments of :func:`blockattn.block_layout`: both or neither of ``timestamps [N]`` and
+    ``num_time_buckets``."""
+    if (timestamps is None) != (num_time_buckets is None):
+        raise ValueError("block_layout takes timestamps and num_time_buckets together (the time bias's "
+                         "time_bias.shape[1]), or neither")
+    if timestamps is None:
+        return
+    _timestamps(timestamps, num_tokens_, offsets_.device, "offsets")
+    if isinstance(num_time_buckets, bool) or not isinstance(num_time_buckets, int) or num_time_buckets < 1:
+        raise ValueError(f"num_time_buckets must be a positive int, got {num_time_buckets!r}")
+    _bucket_width(time_bucket_width)
+
+
+def layout_time_bias(value, timestamps, time_bias, time_bucket_width) -> tuple:
+    """``(timestamps, time_bucket_width, time_buckets)`` of a call: those given, 0.301 for a width left out (None)
+    and no table, or, where ``value`` (its ``offsets``) is a :class:`BlockLayout` with timestamps and the call has a
+    time bias, the layout's (the call's timestamps and width must then be left out or be the layout's)."""
+    if not (isinstance(value, BlockLayout) and value.timestamps is not None and time_bias is not None):
+        return timestamps, DEFAULT_BUCKET_WIDTH if time_bucket_width is None else time_bucket_width, None
+    if timestamps is not None and timestamps is not value.timestamps:
+        raise ValueError("timestamps differ from those of the BlockLayout passed as offsets: leave timestamps out, "
+                         "the layout's are used")
+    if time_bucket_width is not None and time_bucket_width != value.time_bucket_width:
+        raise ValueError(f"time_bucket_width={time_bucket_width!r} differs from the BlockLayout's "
+                         f"{value.time_bucket_width}: leave it out when passing a layout with timestamps")
+    if isinstance(time_bias, torch.Tensor) and time_bias.dim() == 2 and time_bias.shape[1] != value.num_time_buckets:
+        raise ValueError(f"time_bias has {time_bias.shape[1]} buckets (shape[1]), but the BlockLayout passed as "
+                         f"offsets was built for num_time_buckets={value.num_time_buckets}")
+    return value.timestamps, value.time_bucket_width, value.time_buckets
+
+
 def in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q: torch.Tensor,
              offsets_: torch.Tensor, block: int) -> torch.Tensor | None:
     """The in-block options of block attention (docs/semantics.md, "Inside a block") for ``q [N, Hq, D]``; returns
@@ -413,20 +463,9 @@ def in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout
                 raise ValueError("timestamps, when nested, must be a torch.jagged tensor [B, j] with the structure "
                                  "of q")
             timestamps = timestamps.values()
-        tensor("timestamps", timestamps)
-        if timestamps.shape != (n,):
-            raise ValueError(f"timestamps must be 1-D [N] = [{n}] (one per token), got {tuple(timestamps.shape)}")
-        if timestamps.dtype not in TIMESTAMP_DTYPES:
-            raise TypeError(f"timestamps must be {_dtype_names(TIMESTAMP_DTYPES)}, got {timestamps.dtype}")
-        if timestamps.device != q.device:
-            raise ValueError(f"timestamps must be on the device of q ({q.device}), got {timestamps.device}")
-        if timestamps.requires_grad:
-            raise ValueError("timestamps requires grad, but no gradient flows to them: pass timestamps.detach()")
+        _timestamps(timestamps, n, q.device, "q")
         _bias_table("time_bias", time_bias, (hq, 0), "num_buckets", q)
-        if (isinstance(time_bucket_width, bool) or not isinstance(time_bucket_width, (int, float))
-                or not (math.isfinite(time_bucket_width) and time_bucket_width >= MIN_BUCKET_WIDTH)):
-            raise ValueError(f"time_bucket_width must be a finite float >= {MIN_BUCKET_WIDTH}, got "
-                             f"{time_bucket_width!r}")
+        _bucket_width(time_bucket_width)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     return timestamps

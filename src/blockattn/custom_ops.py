@@ -28,7 +28,7 @@ from . import backends
 from .backends import FLASH_BACKENDS, AttentionCall, FlashCall
 from .block_table import BlockTable, build_block_table, check_offsets, empty_block_table
 from .devices import kernels_run_on
-from .ops import fp8, tiles
+from .ops import fp8, in_block, tiles
 from .ops.block_attention_torch import rotary_torch
 from .ops.fp8 import Fp8Scales
 from .ops.in_block import DEFAULT_BUCKET_WIDTH, InBlock
@@ -145,6 +145,20 @@ def _(offsets, num_tokens, block_size):
     return tuple(empty_block_table(offsets, num_tokens, block_size))
 
 
+@torch.library.custom_op("blockattn::time_bucket_table", mutates_args=())
+def time_bucket_table(offsets: torch.Tensor, block_cum: torch.Tensor, block_seq: torch.Tensor,
+                      timestamps: torch.Tensor, num_buckets: int, width: float, block_size: int) -> torch.Tensor:
+    """The time buckets' table of a batch's layout (``ops.in_block.bucket_table``), built once for every call on
+    it, as one opaque op (for a compiled model)."""
+    return in_block.bucket_table(timestamps, num_buckets, width, offsets, BlockTable(block_cum, block_seq),
+                                 block_size)
+
+
+@time_bucket_table.register_fake
+def _(offsets, block_cum, block_seq, timestamps, num_buckets, width, block_size):
+    return timestamps.new_empty(timestamps.shape[0], block_size, dtype=in_block.bucket_dtype(num_buckets, block_size))
+
+
 def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save,
                        input_grads) -> type[torch.autograd.Function]:
     """Autograd of a forward op whose outputs are ``(out, *block_table)``, and the same as a
@@ -173,9 +187,11 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save,
 def _block_attention_forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_bias=None,
                              timestamps=None, time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0,
                              dropout_seed=None, block_cum=None, block_seq=None, q_descale=None, k_descale=None,
-                             v_descale=None, out_scale=None, out_dtype=None) -> tuple[torch.Tensor, BlockTable | None]:
+                             v_descale=None, out_scale=None, out_dtype=None,
+                             time_buckets=None) -> tuple[torch.Tensor, BlockTable | None]:
     """``(out, table)`` (:func:`_forward`) of the forward op's arguments: what the op and the eager route run."""
-    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
+                      time_buckets)
     scales = None if q_descale is None else Fp8Scales(q_descale, k_descale, v_descale,
                                                       out_dtype or fp8.DEFAULT_OUT_DTYPE, out_scale)
     return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options, block_cum, block_seq, scales)
@@ -189,14 +205,16 @@ def _block_attention_fwd(
     block_cum: torch.Tensor | None = None, block_seq: torch.Tensor | None = None,
     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None, out_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    time_buckets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``block_table.BlockTable``) it
     built, or 0-element tensors where a layout's table was passed in (``block_cum``, ``block_seq``). float8 inputs
-    come with their descales and the output's dtype (and scale, for an fp8 output): ``ops.fp8``."""
+    come with their descales and the output's dtype (and scale, for an fp8 output): ``ops.fp8``. ``time_buckets``:
+    the layout's table of time buckets (:func:`time_bucket_table`), or None (built per call where needed)."""
     return _op_outputs(*_block_attention_forward(
         q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias,
         time_bucket_width, dropout_p, dropout_seed, block_cum, block_seq, q_descale, k_descale, v_descale, out_scale,
-        out_dtype), offsets)
+        out_dtype, time_buckets), offsets)
 
 
 block_attention_fwd = torch.library.custom_op("blockattn::block_attention_fwd", _block_attention_fwd, mutates_args=())
@@ -205,7 +223,8 @@ block_attention_fwd = torch.library.custom_op("blockattn::block_attention_fwd", 
 @block_attention_fwd.register_fake
 def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_bias=None, timestamps=None,
       time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None, block_cum=None,
-      block_seq=None, q_descale=None, k_descale=None, v_descale=None, out_scale=None, out_dtype=None):
+      block_seq=None, q_descale=None, k_descale=None, v_descale=None, out_scale=None, out_dtype=None,
+      time_buckets=None):
     default = fp8.DEFAULT_OUT_DTYPE if q.dtype == fp8.FP8_DTYPE else q.dtype
     return (torch.empty_like(q, dtype=out_dtype or default),
             *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum))
@@ -214,10 +233,12 @@ def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_b
 @planned
 def _block_attention_backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate,
                               causal=False, pos_bias=None, timestamps=None, time_bias=None,
-                              time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None) -> tuple:
+                              time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None,
+                              time_buckets=None) -> tuple:
     """``(dq, dk, dv, dpos_bias, dtime_bias)``, None for an absent bias's: what the op and the eager route run."""
     grads = (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
-    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
+                      time_buckets)
     bias_grads = _backward(grad_out, q, k, v, offsets, sinu_pos, BlockTable(block_cum, block_seq), block_size, scale,
                            rotate, options, grads)
     return *grads, *bias_grads
@@ -228,12 +249,12 @@ def _block_attention_bwd(
     sinu_pos: torch.Tensor | None, block_cum: torch.Tensor, block_seq: torch.Tensor, block_size: int, scale: float,
     rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,
     time_bias: torch.Tensor | None = None, time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0,
-    dropout_seed: torch.Tensor | None = None,
+    dropout_seed: torch.Tensor | None = None, time_buckets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dpos_bias, dtime_bias)``."""
     return _op_grads(_block_attention_backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size,
                                                scale, rotate, causal, pos_bias, timestamps, time_bias,
-                                               time_bucket_width, dropout_p, dropout_seed), q)
+                                               time_bucket_width, dropout_p, dropout_seed, time_buckets), q)
 
 
 block_attention_bwd = torch.library.custom_op("blockattn::block_attention_bwd", _block_attention_bwd, mutates_args=())
@@ -248,23 +269,26 @@ def _(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, sc
 def _save_for_backward(ctx, inputs: tuple, table: tuple) -> None:
     """Both routes (:func:`block_attention`): what the backward reads. ``inputs`` as the forward op takes them."""
     (q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias, width, p, seed,
-     *layout_table) = inputs[:17]  # the fp8 forward's arguments follow (it has no backward)
+     *layout_table) = inputs[:17]  # the fp8 forward's arguments follow (it has no backward), then the time buckets
     block_cum, block_seq = _saved_table(layout_table, table)
-    ctx.save_for_backward(q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed)
+    time_buckets = inputs[22] if len(inputs) > 22 else None
+    ctx.save_for_backward(q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed,
+                          time_buckets)
     ctx.block_size, ctx.scale, ctx.rotate = block_size, scale, rotate
     ctx.flags = (causal, width, p)
 
 
 def _input_grads(ctx, grad_out, backward) -> tuple:
     """The gradients of the forward op's inputs, by ``backward`` (the backward op, or its implementation)."""
-    q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed = ctx.saved_tensors
+    q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed, time_buckets = (
+        ctx.saved_tensors)
     causal, width, p = ctx.flags
     options = (causal, pos_bias, timestamps, time_bias, width, p, seed)
     dq, dk, dv, *bias_grads = backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, ctx.block_size,
-                                       ctx.scale, ctx.rotate, *options)
+                                       ctx.scale, ctx.rotate, *options, time_buckets)
     # fp8 inputs take no gradient (the public function refuses them then): their five arguments get none.
     return (dq, dk, dv, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None, None, None,
-            None, None, None)
+            None, None, None, None)
 
 
 _EagerBlockAttention = _register_autograd("EagerBlockAttention", block_attention_fwd, block_attention_bwd,
@@ -276,9 +300,11 @@ _EagerBlockAttention = _register_autograd("EagerBlockAttention", block_attention
 def _qkv_block_attention_forward(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate,
                                  causal=False, pos_bias=None, timestamps=None, time_bias=None,
                                  time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None,
-                                 block_cum=None, block_seq=None) -> tuple[torch.Tensor, BlockTable | None]:
+                                 block_cum=None, block_seq=None,
+                                 time_buckets=None) -> tuple[torch.Tensor, BlockTable | None]:
     """``(out, table)`` (:func:`_forward`) of the packed forward op's arguments."""
-    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
+                      time_buckets)
     return _forward(*split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_size, scale, rotate, options,
                     block_cum, block_seq)
 
@@ -289,11 +315,12 @@ def _qkv_block_attention_fwd(
     timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
     block_cum: torch.Tensor | None = None, block_seq: torch.Tensor | None = None,
+    time_buckets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block attention on the heads of a packed projection, read in place through strides."""
     return _op_outputs(*_qkv_block_attention_forward(
         qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal, pos_bias, timestamps,
-        time_bias, time_bucket_width, dropout_p, dropout_seed, block_cum, block_seq), offsets)
+        time_bias, time_bucket_width, dropout_p, dropout_seed, block_cum, block_seq, time_buckets), offsets)
 
 
 qkv_block_attention_fwd = torch.library.custom_op("blockattn::qkv_block_attention_fwd", _qkv_block_attention_fwd,
@@ -303,7 +330,7 @@ qkv_block_attention_fwd = torch.library.custom_op("blockattn::qkv_block_attentio
 @qkv_block_attention_fwd.register_fake
 def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal=False, pos_bias=None,
       timestamps=None, time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None,
-      block_cum=None, block_seq=None):
+      block_cum=None, block_seq=None, time_buckets=None):
     n = qkv.shape[0]
     head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
     return qkv.new_empty(n, num_heads, head_dim), *_fwd_table_fakes(offsets, n, block_size, block_cum)
@@ -313,11 +340,12 @@ def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate
 def _qkv_block_attention_backward(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads,
                                   block_size, scale, rotate, causal=False, pos_bias=None, timestamps=None,
                                   time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0,
-                                  dropout_seed=None) -> tuple:
+                                  dropout_seed=None, time_buckets=None) -> tuple:
     """``(dqkv, dpos_bias, dtime_bias)``, None for an absent bias's; ``dqkv`` in the packed layout of ``qkv``: the
     kernel writes dq, dk, dv straight into views of one buffer."""
     dqkv = tiles.new_output(qkv)
-    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed)
+    options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
+                      time_buckets)
     bias_grads = _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
                            BlockTable(block_cum, block_seq), block_size, scale, rotate, options,
                            split_heads(dqkv, num_heads, num_kv_heads))
@@ -330,12 +358,13 @@ def _qkv_block_attention_bwd(
     scale: float, rotate: int, causal: bool = False, pos_bias: torch.Tensor | None = None,
     timestamps: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
+    time_buckets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dqkv, dpos_bias, dtime_bias)``."""
     return _op_grads(_qkv_block_attention_backward(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads,
                                                    num_kv_heads, block_size, scale, rotate, causal, pos_bias,
                                                    timestamps, time_bias, time_bucket_width, dropout_p,
-                                                   dropout_seed), qkv)
+                                                   dropout_seed, time_buckets), qkv)
 
 
 qkv_block_attention_bwd = torch.library.custom_op("blockattn::qkv_block_attention_bwd", _qkv_block_attention_bwd,
@@ -350,20 +379,24 @@ def _(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_
 
 def _qkv_save_for_backward(ctx, inputs: tuple, table: tuple) -> None:
     (qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal, pos_bias, timestamps,
-     time_bias, width, p, seed, *layout_table) = inputs
+     time_bias, width, p, seed, *layout_table) = inputs[:17]
     block_cum, block_seq = _saved_table(layout_table, table)
-    ctx.save_for_backward(qkv, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed)
+    time_buckets = inputs[17] if len(inputs) > 17 else None
+    ctx.save_for_backward(qkv, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed,
+                          time_buckets)
     ctx.shape_options = (num_heads, num_kv_heads, block_size, scale, rotate)
     ctx.flags = (causal, width, p)
 
 
 def _qkv_input_grads(ctx, grad_out, backward) -> tuple:
-    qkv, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed = ctx.saved_tensors
+    qkv, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed, time_buckets = (
+        ctx.saved_tensors)
     causal, width, p = ctx.flags
     options = (causal, pos_bias, timestamps, time_bias, width, p, seed)
     dqkv, *bias_grads = backward(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, *ctx.shape_options,
-                                 *options)
-    return dqkv, None, None, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None
+                                 *options, time_buckets)
+    return (dqkv, None, None, None, None, None, None, None, *_bias_grads_out(bias_grads, options), None, None,
+            None)
 
 
 _EagerQkvBlockAttention = _register_autograd("EagerQkvBlockAttention", qkv_block_attention_fwd,

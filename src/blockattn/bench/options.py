@@ -1,7 +1,8 @@
 """The in-block options' benchmark (``python -m blockattn bench --options``): on a workload (the ``ads`` preset by
 default), the plain op, each option alone and causal + both biases together, forward, backward (the op alone, from
 the forward's block table) and both (autograd, gradients of q, k, v and the biases), as time over the memory floor
-and as overhead over the plain op in the same run; against the same computation built from FlexAttention
+and as overhead over the plain op in the same run; blockattn per call and on a batch layout built once (the block
+table and the time buckets that a model's layers share); against the same computation built from FlexAttention
 (``score_mod`` and ``mask_mod``, compiled, on the padded blocks) and from padded SDPA with an additive bias tensor.
 
 Timestamps are increasing within each sequence (gaps of 1 s to 20 min, the shape of a user's history), the time
@@ -77,20 +78,28 @@ class _Inputs:
         return blocks.transpose(1, 2)[self.case.valid]
 
 
-def _blockattn(inputs: _Inputs, kwargs: dict) -> dict:
+def _blockattn(inputs: _Inputs, kwargs: dict, batch_layout: bool = False) -> dict:
+    """blockattn's calls; with ``batch_layout``, on a layout built once for the batch (untimed, as a model's layers
+    share it) that holds the block table and the time buckets, which each call otherwise builds."""
     case = inputs.case
     leaves, own = inputs.leaves(kwargs)
+    offsets, time_buckets, call_kwargs = case.offsets, None, {**own, "block_size": case.block_size}
+    if batch_layout:
+        offsets = blockattn.block_layout(case.offsets, case.q.shape[0], case.block_size, timestamps=inputs.timestamps,
+                                         num_time_buckets=NUM_BUCKETS)
+        time_buckets = offsets.time_buckets if "time_bias" in own else None
+        call_kwargs = {k: v for k, v in own.items() if k != "timestamps"}
 
     def forward():
-        return blockattn.block_attention(*leaves[:3], case.offsets, block_size=case.block_size, scale=case.scale,
-                                         **own)
+        return blockattn.block_attention(*leaves[:3], offsets, scale=case.scale, **call_kwargs)
 
     seed = torch.randint(2**62, (1,), device=inputs.device) if "dropout_p" in own else None
 
     def backward():  # the op alone, as autograd calls it
         return torch.ops.blockattn.block_attention_bwd(
             grad_out=case.do, q=case.q, k=case.k, v=case.v, offsets=case.offsets, sinu_pos=None,
-            **case.table._asdict(), block_size=case.block_size, scale=case.scale, rotate=0, **own, dropout_seed=seed)
+            **case.table._asdict(), block_size=case.block_size, scale=case.scale, rotate=0, **own, dropout_seed=seed,
+            time_buckets=time_buckets)
 
     return {"fwd": forward, "bwd": backward, "leaves": leaves, "out": forward}
 
@@ -192,7 +201,9 @@ def _flex(inputs: _Inputs, kwargs: dict, kernel_options: dict | None = None) -> 
     return {"fwd": forward, "leaves": leaves, "out": forward}
 
 
-IMPLEMENTATIONS = {OURS: _blockattn, "FlexAttention (padded blocks)": _flex, "SDPA + bias (padded blocks)": _sdpa}
+OURS_WITH_LAYOUT = "blockattn, batch layout"
+IMPLEMENTATIONS = {OURS: _blockattn, OURS_WITH_LAYOUT: functools.partial(_blockattn, batch_layout=True),
+                   "FlexAttention (padded blocks)": _flex, "SDPA + bias (padded blocks)": _sdpa}
 
 
 def _timings(calls: dict, do: torch.Tensor, rep_ms: int) -> dict:
@@ -264,12 +275,14 @@ def run(w: Workload, rep_ms: int, seed: int, progress) -> dict:
             finally:
                 free_memory()
             progress.advance(task)
-    plain = {r["pass"]: r["ms"] for r in rows if r["impl"] == OURS and r["option"] == "plain"}
+    plain = {(r["impl"], r["pass"]): r["ms"] for r in rows if r["option"] == "plain"}
     ours = {(r["option"], r["pass"]): r["ms"] for r in rows if r["impl"] == OURS}
     for r in rows:
-        r["x_plain"] = r["ms"] / plain[r["pass"]] if r["pass"] in plain else None
+        own = r["impl"] in (OURS, OURS_WITH_LAYOUT)
+        base = plain.get((r["impl"] if own else OURS, r["pass"]))
+        r["x_plain"] = r["ms"] / base if base else None
         mine = ours.get((r["option"], r["pass"]))
-        r["blockattn_speedup"] = r["ms"] / mine if mine and r["impl"] != OURS else None
+        r["blockattn_speedup"] = r["ms"] / mine if mine and not own else None
     return {"environment": environment(), "copy_bandwidth_tbps": tbps, "workload": w.to_dict(), "tokens": n,
             "num_buckets": NUM_BUCKETS, "dropout_p": DROPOUT_P, "floor_ms": floors, "results": rows,
             "skipped": skipped}
@@ -296,8 +309,10 @@ def print_report(report: dict, console) -> None:
                                               f"{s['status']}: {s['reason']}")))
     console.print(table)
     console.print("x floor: ms over the plain op's memory floor (q, k, v, o; + dO, dq, dk, dv backward) at the copy "
-                  "bandwidth; x plain: ms over blockattn's plain op in the same pass; blockattn speedup: this "
-                  "implementation's ms over blockattn's with the same option. bwd: blockattn's backward op alone, "
+                  "bandwidth; x plain: ms over blockattn's plain op in the same pass (the batch layout's rows: over "
+                  "its own plain op); blockattn speedup: this implementation's ms over blockattn's with the same "
+                  "option. Batch layout: blockattn on a block_layout built once (untimed) with the timestamps, "
+                  "whose block table and time buckets a model's layers share. bwd: blockattn's backward op alone, "
                   "the baselines' autograd backward from one saved forward; fwdbwd: autograd, gradients of q, k, v "
                   "and the biases.")
 

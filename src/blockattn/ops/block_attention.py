@@ -79,11 +79,18 @@ def min_chunk(rotary: bool) -> int:
 
 @functools.cache  # read-only: one mapping per shape, computed once (launches are host-bound on small batches)
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
-                  rotary: bool = False, persistent: bool = True) -> MappingProxyType:
+                  rotary: bool = False, persistent: bool = True, in_block_bits: int = 0) -> MappingProxyType:
     """Compile-time shape and launch of a kernel, by a rule measured on an H100 (the 4-warp default and the MHA
     persistent kernel also on an H200; docs/benchmarks.md).
 
-    Head-dim slices of at most 64 x 128 elements in the forward. The backward takes whole rows up to 128 x 128
+    Head-dim slices of at most 64 x 128 elements in the forward; 64 x 64 for 16-bit inputs without GQA or a rotary at
+    64-token blocks and D = 128 with two or more of the options that add work to the score tile (``in_block_bits``:
+    the position bias, the time bias, dropout), whose 128-wide tiles held too many registers for 4 programs an SM.
+    At `ads` on an H100 (the plain op 2.151 ms; 2026-11-25, both with the register cap of
+    ``_forward_register_cap``): causal + both biases 2.479 against 2.512 ms, the time bias with dropout 2.503
+    against 3.009, the position bias with dropout 2.279 against 2.845, with the causal mask 2.277 against 2.992,
+    the three 2.624 against 3.024; one such option alone lost (the time bias 2.366 against 2.337, the plain op
+    2.193 against 2.151). The backward takes whole rows up to 128 x 128
     elements for 16-bit inputs without GQA (128-token blocks at D = 128 and 64-token blocks at D = 256: 1.54x and
     1.36x the floor on an H100, against 2.34x and 1.50x for 64 x 64 slices), in slices of 128 x 128 beyond. Under
     GQA (16-bit) 128-token blocks, and 64-token blocks at D > 128, take slices of 64 x 128 elements: each slice's
@@ -132,6 +139,10 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     elif group == 1 and element_size == 2:
         max_slice = 128 * 128
     else:
+        max_slice = 64 * 64
+    tile_options = in_block_bits & (in_block.POS_BIAS.value | in_block.TIME_BIAS.value | in_block.DROPOUT.value)
+    if (not backward and block_size == 64 and block_d == 128 and group == 1 and element_size == 2 and not rotary
+            and tile_options.bit_count() >= 2):
         max_slice = 64 * 64
     chunk = min(block_d, max(min_width, max_slice // block_size))
     wide = block_size * chunk > 64 * 128 or (backward and group > 1 and block_size == 64 and chunk >= 128)
@@ -691,16 +702,17 @@ def _register_cap(maxnreg: int | None) -> dict:
 
 
 def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, rotate: int, options: InBlock) -> int | None:
-    """The forward's register cap: 128 with the time bias (with or without the causal mask, but neither the position
-    bias nor dropout), for 16-bit inputs at 4 warps and one program per query head, without a rotary; else none.
-    The time bias takes the kernel from 120 to 148 registers a thread (3 programs an SM instead of 4). At `ads` on
-    an H100 (the plain op 2.151 ms): capped 2.325-2.337 ms against 2.400-2.412, with the causal mask 2.348 against
-    2.422; with the position bias too the capped kernel spills (2.637 against 2.487 ms), with dropout 3.014 against
-    2.633."""
+    """The forward's register cap: 128 with any in-block option, for 16-bit inputs at 4 warps and one program per
+    query head, without a rotary; else none. The options take the kernel past 128 registers a thread (3 programs an
+    SM instead of 4; the time bias 148). At `ads` on an H100 (the plain op 2.151 ms; 2026-11-25, 02:13-02:28 UTC),
+    capped against the compiler's choice: the causal mask 2.164 against 2.198 ms, dropout 2.166 against 2.258, the
+    causal mask with the position bias 2.221 against 2.401, with dropout 2.169 against 2.285 (the time bias, capped
+    first: 2.325 against 2.400 on 2026-11-24); the position bias alone 2.158 against 2.155. Two or more of the
+    options also take 64-wide slices (``kernel_config``), where the cap changes little (2.277 against 2.297 with
+    the causal mask, the position bias and dropout; 2.479 against 2.474 with the causal mask and both biases)."""
     plain_launch = (cfg["NUM_WARPS"] == 4 and cfg["HEADS_PER_PROGRAM"] == 1 and not rotate
                     and q.dtype in (torch.float16, torch.bfloat16))
-    time_bias_alone = options.time_bias is not None and options.pos_bias is None and options.dropout_p == 0
-    return 128 if plain_launch and time_bias_alone else None
+    return 128 if plain_launch and options.bits else None
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -751,7 +763,7 @@ def block_attention_fwd_triton(
         return out
     group = hq // k.shape[1]
     cfg = kernel_config(block_size, d, backward=False, group=group, element_size=q.element_size(),
-                        rotary=bool(rotate))
+                        rotary=bool(rotate), in_block_bits=options.bits)
     fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
     if fp8_dot and not fp8_qk_possible:
         raise ValueError("fp8_dot needs fp8 inputs, no rotary and head-dim slices at least 32 wide")

@@ -51,7 +51,9 @@ _PHILOX_ROUNDS = 10
 
 class InBlock(NamedTuple):
     """The in-block options of one call, checked (``checks.in_block``). ``seed``: an int64 ``[1]`` tensor on the
-    inputs' device, drawn when ``dropout_p > 0``."""
+    inputs' device, drawn when ``dropout_p > 0``. ``buckets``: the time buckets' table of the call's timestamps
+    (:func:`bucket_table`), where a batch's layout built it once for all its calls; else the kernels' launchers
+    build one per call."""
 
     causal: bool = False
     pos_bias: torch.Tensor | None = None
@@ -60,6 +62,7 @@ class InBlock(NamedTuple):
     bucket_width: float = DEFAULT_BUCKET_WIDTH
     dropout_p: float = 0.0
     seed: torch.Tensor | None = None
+    buckets: torch.Tensor | None = None
 
     @property
     def bits(self) -> int:
@@ -143,7 +146,7 @@ _POINTERS = ("pos_bias_ptr", "buckets_ptr", "time_bias_ptr", "seed_ptr")
 
 def kernel_args(options: InBlock, like: torch.Tensor, buckets: torch.Tensor | None = None) -> dict:
     """The attention kernels' in-block arguments; absent tensors are stood in for by ``like`` (never read).
-    ``buckets``: the time buckets' table of the call (:func:`bucket_table_args` fills it), with a time bias."""
+    ``buckets``: the time buckets' table of the call (:func:`bucket_table`), with a time bias."""
     if options.bits == 0:  # the plain op: constant scalars (built once, as every call reads them)
         return {**_PLAIN_SCALARS, **dict.fromkeys(_POINTERS, like)}
     pos, bias = options.pos_bias, options.time_bias
@@ -170,34 +173,38 @@ _PLAIN_SCALARS = {name: value for name, value in kernel_args(InBlock(causal=True
                   if name not in _POINTERS} | {"IN_BLOCK": 0}
 
 
-def bucket_table_args(options: InBlock, num_tokens: int, block_size: int) -> dict:
-    """The time buckets' table of a call with a time bias and the arguments of the kernel that fills it
-    (``bucket_table_kernel``; the table is its ``buckets_ptr``): ``[N, BS]``, row ``start + i`` holding the
-    buckets of query ``i`` of the block that starts at token ``start`` against each key of the block (uint8; int32
-    past 256 buckets, and for 16-token blocks, whose 16 x 16 uint8 tile Triton 3.6 miscompiles beside the dropout
-    words: wrong outputs on an H100). Built once per call, it saves every head's program, forward and backward, the
-    logarithms and edge lookups of ``BS**2`` pairs."""
-    times, num_buckets = options.timestamps, options.time_bias.shape[1]
-    dtype = torch.uint8 if num_buckets <= 256 and block_size > 16 else torch.int32
-    return {
-        "buckets_ptr": times.new_empty(num_tokens, block_size, dtype=dtype),
-        "timestamps_ptr": times, "stride_ts": times.stride(0),
-        "edges_ptr": bucket_edges(num_buckets, options.bucket_width, times.device), "num_buckets": num_buckets,
-        "bucket_scale": math.log(2) / options.bucket_width, "BLOCK_SIZE": block_size,
-        "INLINE_ASM": inline_asm(times),
-    }
+def bucket_dtype(num_buckets: int, block_size: int) -> torch.dtype:
+    """The time buckets' table's dtype: uint8; int32 past 256 buckets, and for 16-token blocks, whose 16 x 16 uint8
+    tile Triton 3.6 miscompiles beside the dropout words (wrong outputs on an H100)."""
+    return torch.uint8 if num_buckets <= 256 and block_size > 16 else torch.int32
+
+
+def bucket_table(timestamps: torch.Tensor, num_buckets: int, width: float, offsets: torch.Tensor, table: BlockTable,
+                 block_size: int) -> torch.Tensor:
+    """The time buckets' table of ``timestamps`` ``[N]`` (one kernel, ``bucket_table_kernel``): ``[N, BS]``
+    (:func:`bucket_dtype`), row ``start + i`` holding the buckets of query ``i`` of the block that starts at token
+    ``start`` against each key of the block. Built once per call, or once per batch by its layout, it saves every
+    head's program, forward and backward, the logarithms and edge lookups of ``BS**2`` pairs."""
+    num_tokens = timestamps.shape[0]
+    buckets = timestamps.new_empty(num_tokens, block_size, dtype=bucket_dtype(num_buckets, block_size))
+    launch(bucket_table_kernel, (table.num_slots,), buckets_ptr=buckets, timestamps_ptr=timestamps,
+           stride_ts=timestamps.stride(0), edges_ptr=bucket_edges(num_buckets, width, timestamps.device),
+           num_buckets=num_buckets, bucket_scale=math.log(2) / width, **table.kernel_args(offsets),
+           num_tokens=num_tokens, BLOCK_SIZE=block_size, INLINE_ASM=inline_asm(timestamps), num_warps=4)
+    return buckets
 
 
 def call_args(options: InBlock, like: torch.Tensor, offsets: torch.Tensor, table: BlockTable,
               block_size: int) -> dict:
-    """:func:`kernel_args` of one call; with a time bias, after launching the kernel that fills the call's table of
-    time buckets."""
+    """:func:`kernel_args` of one call; with a time bias, on the layout's table of time buckets, or on one built
+    here."""
     if options.time_bias is None:
         return kernel_args(options, like)
-    args = bucket_table_args(options, like.shape[0], block_size)
-    launch(bucket_table_kernel, (table.num_slots,), **args, **table.kernel_args(offsets), num_tokens=like.shape[0],
-           num_warps=4)
-    return kernel_args(options, like, args["buckets_ptr"])
+    buckets = options.buckets
+    if buckets is None:
+        buckets = bucket_table(options.timestamps, options.time_bias.shape[1], options.bucket_width, offsets, table,
+                               block_size)
+    return kernel_args(options, like, buckets)
 
 
 def bias_grad_partials(options: InBlock, num_slots: int, block_size: int,
@@ -283,7 +290,7 @@ def _time_buckets(start, length, timestamps_ptr, stride_ts, edges_ptr, num_bucke
 def bucket_table_kernel(buckets_ptr, timestamps_ptr, stride_ts, edges_ptr, num_buckets, bucket_scale,
                         block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr,
                         INLINE_ASM: tl.constexpr):
-    # One program per block: its buckets, query i's at row start + i of the table (bucket_table_args).
+    # One program per block: its buckets, query i's at row start + i of the table (bucket_table).
     start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, tl.program_id(0), num_seqs, num_tokens,
                                  BLOCK_SIZE)
     if length <= 0:
