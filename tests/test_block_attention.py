@@ -243,7 +243,7 @@ def test_fake_tensor_propagation():
         k = torch.empty(100, 2, 64, dtype=torch.bfloat16)
         offsets = torch.zeros(3, dtype=torch.int32)
         out = blockattn.block_attention(q, k, k, offsets)
-        _, block_cum, block_seq = torch.ops.blockattn.block_attention_fwd(q, k, k, offsets, None, 64, 0.125, 0)
+        _, block_cum, block_seq, _ = torch.ops.blockattn.block_attention_fwd(q, k, k, offsets, None, 64, 0.125, 0)
         assert block_cum.shape == (2,) and block_seq.shape == ((100 + 2 * 63) // 64,)
         dq, dk, dv, *_ = torch.ops.blockattn.block_attention_bwd(out, q, k, k, offsets, None, block_cum, block_seq,
                                                                  64, 0.125, 0)

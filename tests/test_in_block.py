@@ -699,3 +699,24 @@ def test_gpu_layout_time_buckets_bitwise_compiled_and_captured(head_dim):
     compiled = torch.compile(lambda offsets: forward(blockattn.block_layout(
         offsets, q.shape[0], timestamps=options.timestamps, num_time_buckets=40)), fullgraph=True)
     assert all(torch.equal(a, b) for a, b in zip(step(compiled, offsets), want))
+
+
+@requires_gpu
+def test_gpu_backward_reads_the_forward_time_buckets(monkeypatch):
+    """Per call, the forward builds the time buckets' table and its backward reads it: one table a training step,
+    the forward op's fourth output (its fake's shape and dtype, by opcheck)."""
+    q, k, v, do, offsets = random_inputs([300, 64, 7], 4, 4, 128, torch.bfloat16, "cuda")
+    options = make_options("causal+pos+time", 4, 64, q.shape[0], "cuda", num_buckets=40)
+    built = []
+    build = in_block.bucket_table
+    monkeypatch.setattr(in_block, "bucket_table", lambda *args: built.append(build(*args)) or built[-1])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, options.pos_bias, options.time_bias)]
+    out = blockattn.block_attention(*leaves[:3], offsets, causal=True, pos_bias=leaves[3],
+                                    timestamps=options.timestamps, time_bias=leaves[4])
+    torch.autograd.grad(out, leaves, do)
+    assert len(built) == 1 and built[0].shape == (q.shape[0], 64) and built[0].dtype == torch.uint8
+    args = (q, k, v, offsets, None, 64, 128**-0.5, 0, True, options.pos_bias, options.timestamps, options.time_bias)
+    outputs = torch.ops.blockattn.block_attention_fwd(*args)
+    assert torch.equal(outputs[0], out) and torch.equal(outputs[3], built[0])
+    torch.library.opcheck(torch.ops.blockattn.block_attention_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))

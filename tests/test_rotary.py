@@ -215,8 +215,8 @@ def check_qkv_block_attention(device, dtype, hq, hkv, rotate, block_size=64, d=3
     # The packed gradient, as the backward op writes it.
     qkv = torch.addmm(bias, x, w)
     scale = 1.0 / math.sqrt(d)
-    _, block_cum, block_seq = torch.ops.blockattn.qkv_block_attention_fwd(qkv, offsets, sinu_pos, hq, hkv, block_size,
-                                                                          scale, rotate)
+    _, block_cum, block_seq, _ = torch.ops.blockattn.qkv_block_attention_fwd(qkv, offsets, sinu_pos, hq, hkv,
+                                                                             block_size, scale, rotate)
     dqkv, *_ = torch.ops.blockattn.qkv_block_attention_bwd(do, qkv, offsets, sinu_pos, block_cum, block_seq, hq, hkv,
                                                            block_size, scale, rotate)
     results = [out, dqkv, *(t.grad for t in leaves)]
@@ -252,8 +252,8 @@ def test_fake_tensors_and_opcheck_rotary_ops():
         qkv = torch.empty(100, 9 * 64, dtype=torch.bfloat16)
         offsets = torch.zeros(3, dtype=torch.int32)
         sinu_pos = torch.empty(100, 64, dtype=torch.bfloat16)
-        out, block_cum, block_seq = torch.ops.blockattn.qkv_block_attention_fwd(qkv, offsets, sinu_pos, 3, 3, 64,
-                                                                                0.125, ROTATE_ALL)
+        out, block_cum, block_seq, _ = torch.ops.blockattn.qkv_block_attention_fwd(qkv, offsets, sinu_pos, 3, 3, 64,
+                                                                                   0.125, ROTATE_ALL)
         dqkv, *_ = torch.ops.blockattn.qkv_block_attention_bwd(out, qkv, offsets, sinu_pos, block_cum, block_seq, 3,
                                                                3, 64, 0.125, ROTATE_ALL)
         rotated = blockattn.apply_rotary(torch.empty(100, 3, 64), sinu_pos.float())

@@ -23,10 +23,11 @@ def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = check
     checks them (a ``ValueError`` on the CPU, a device-side assertion on a GPU: no host synchronisation).
 
     With ``timestamps`` the layout also holds the batch's time buckets: every pair of tokens of a block, bucketed
-    once (one kernel, ``N * block_size`` bytes) where the kernels run, instead of once per call, forward and
-    backward (at the ``ads`` workload on an H100 that table takes 0.13 ms, 6% of the plain forward). Calls with a
-    ``time_bias`` then take the layout's timestamps and width (leave theirs out) and need ``time_bias.shape[1] ==
-    num_time_buckets``; the layers of a model share the timestamps and each has its own ``time_bias``.
+    once (one kernel, ``N * block_size`` bytes) where the kernels run, instead of in every call's forward (at the
+    ``ads`` workload on an H100 that table takes 0.13 ms, 6% of the plain forward; a call's backward reads its
+    forward's). Calls with a ``time_bias`` then take the layout's timestamps and width (leave theirs out) and need
+    ``time_bias.shape[1] == num_time_buckets``; the layers of a model share the timestamps and each has its own
+    ``time_bias``.
 
     Args:
         offsets: ``[B + 1]`` int32/int64 sequence boundaries, as for :func:`block_attention`.

@@ -78,20 +78,52 @@ def _rotate_mask(sinu_pos, rotate: int) -> int:
 
 
 def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InBlock, block_cum, block_seq,
-             fp8_scales: Fp8Scales | None = None) -> tuple[torch.Tensor, BlockTable | None]:
-    """``(out, table)``: the block table is built here unless a layout's is given (then ``table`` is None), then the
-    forward runs by the backend the dispatcher picks."""
+             fp8_scales: Fp8Scales | None = None) -> tuple[torch.Tensor, BlockTable | None, torch.Tensor | None]:
+    """``(out, table, buckets)``: the block table is built here unless a layout's is given (then ``table`` is None),
+    and the time buckets' table where :func:`_builds_buckets` (else ``buckets`` is None), then the forward runs by
+    the backend the dispatcher picks."""
     rotate = _rotate_mask(sinu_pos, rotate)
     backend = backends.select(AttentionCall.of("fwd", q, k, block_size, rotate, options.bits))
     built = build_block_table(offsets, q.shape[0], block_size) if block_cum is None else None
     table = BlockTable(block_cum, block_seq) if built is None else built
-    return backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, fp8_scales), built
+    buckets = None
+    if _builds_buckets(q, options.time_bias, options.buckets):
+        buckets = in_block.bucket_table(options.timestamps, options.time_bias.shape[1], options.bucket_width, offsets,
+                                        table, block_size)
+        options = options._replace(buckets=buckets)
+    out = backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, fp8_scales)
+    return out, built, buckets
 
 
-def _op_outputs(out: torch.Tensor, built: BlockTable | None, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A forward op's outputs ``(out, *table)``: where a layout's table was passed in, two 0-element tensors stand
-    for the table (an op's outputs can be neither None nor its inputs). The eager route keeps ``(out, built)``."""
-    return out, *(_no_table(offsets) if built is None else built)
+def _builds_buckets(q: torch.Tensor, time_bias: torch.Tensor | None, time_buckets: torch.Tensor | None) -> bool:
+    """Whether a forward builds the time buckets' table (and returns it, for its backward to read): with a time
+    bias, on a device the kernels serve, unless a layout's table was given. (The PyTorch path, where it runs there,
+    leaves it unread.)"""
+    return time_bias is not None and time_buckets is None and kernels_run_on(q.device)
+
+
+def _op_outputs(out: torch.Tensor, built: BlockTable | None, buckets: torch.Tensor | None,
+                offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A forward op's outputs ``(out, *table, buckets)``: 0-element tensors stand for a table it did not build (a
+    layout's table was passed in, or no time buckets were needed; an op's outputs can be neither None nor its
+    inputs). The eager route keeps ``(out, built, buckets)``."""
+    return out, *(_no_table(offsets) if built is None else built), _no_buckets(offsets) if buckets is None else buckets
+
+
+def _no_buckets(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0, dtype=torch.uint8)
+
+
+def _buckets_fake(q: torch.Tensor, time_bias, time_buckets, block_size: int) -> torch.Tensor:
+    if not _builds_buckets(q, time_bias, time_buckets):
+        return _no_buckets(q)
+    return q.new_empty(q.shape[0], block_size, dtype=in_block.bucket_dtype(time_bias.shape[1], block_size))
+
+
+def _saved_buckets(input_buckets: torch.Tensor | None, output_buckets: torch.Tensor | None) -> torch.Tensor | None:
+    """The time buckets' table the backward reads: the one the forward built (a 0-element output where it built
+    none), else the layout's (inputs), else None (the backward builds its own)."""
+    return output_buckets if output_buckets is not None and output_buckets.numel() else input_buckets
 
 
 def _no_table(offsets: torch.Tensor) -> BlockTable:
@@ -161,21 +193,21 @@ def _(offsets, block_cum, block_seq, timestamps, num_buckets, width, block_size)
 
 def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save,
                        input_grads) -> type[torch.autograd.Function]:
-    """Autograd of a forward op whose outputs are ``(out, *block_table)``, and the same as a
+    """Autograd of a forward op whose outputs are ``(out, *block_table, time_buckets)``, and the same as a
     ``torch.autograd.Function`` on the ops' implementations (the eager route, :func:`eager_route`), which it
-    returns: ``fwd_impl`` returns ``(out, table)`` (the table it built, or None), ``bwd_impl`` the backward op's
-    outputs with None for absent biases' gradients. ``save(ctx, inputs, table)`` keeps what
+    returns: ``fwd_impl`` returns ``(out, table, buckets)`` (the tables it built, or None), ``bwd_impl`` the
+    backward op's outputs with None for absent biases' gradients. ``save(ctx, inputs, table, buckets)`` keeps what
     ``input_grads(ctx, grad_out, backward)`` needs to call ``backward`` (the backward op, or its implementation)."""
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(*output[1:])
-        save(ctx, inputs, output[1:])
+        save(ctx, inputs, output[1:3], output[3])
 
     fwd_op.register_autograd(lambda ctx, grad_out, *_table_grads: input_grads(ctx, grad_out, bwd_op),
                              setup_context=setup_context)
 
     def forward(ctx, *inputs):
-        out, table = fwd_impl(*inputs)
-        save(ctx, inputs, table)
+        out, table, buckets = fwd_impl(*inputs)
+        save(ctx, inputs, table, buckets)
         return out
 
     return type(name, (torch.autograd.Function,),
@@ -188,8 +220,9 @@ def _block_attention_forward(q, k, v, offsets, sinu_pos, block_size, scale, rota
                              timestamps=None, time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0,
                              dropout_seed=None, block_cum=None, block_seq=None, q_descale=None, k_descale=None,
                              v_descale=None, out_scale=None, out_dtype=None,
-                             time_buckets=None) -> tuple[torch.Tensor, BlockTable | None]:
-    """``(out, table)`` (:func:`_forward`) of the forward op's arguments: what the op and the eager route run."""
+                             time_buckets=None) -> tuple:
+    """``(out, table, buckets)`` (:func:`_forward`) of the forward op's arguments: what the op and the eager route
+    run."""
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
                       time_buckets)
     scales = None if q_descale is None else Fp8Scales(q_descale, k_descale, v_descale,
@@ -206,11 +239,12 @@ def _block_attention_fwd(
     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None, out_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
     time_buckets: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(out, block_cum, block_seq)``; the last two are the block table (``block_table.BlockTable``) it
-    built, or 0-element tensors where a layout's table was passed in (``block_cum``, ``block_seq``). float8 inputs
-    come with their descales and the output's dtype (and scale, for an fp8 output): ``ops.fp8``. ``time_buckets``:
-    the layout's table of time buckets (:func:`time_bucket_table`), or None (built per call where needed)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(out, block_cum, block_seq, time_buckets)``: the block table (``block_table.BlockTable``) it built,
+    or 0-element tensors where a layout's table was passed in (``block_cum``, ``block_seq``); the time buckets'
+    table it built for its backward, or a 0-element tensor (:func:`_builds_buckets`). float8 inputs come with their
+    descales and the output's dtype (and scale, for an fp8 output): ``ops.fp8``. ``time_buckets``: a layout's table
+    of time buckets (:func:`time_bucket_table`), or None."""
     return _op_outputs(*_block_attention_forward(
         q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias,
         time_bucket_width, dropout_p, dropout_seed, block_cum, block_seq, q_descale, k_descale, v_descale, out_scale,
@@ -227,7 +261,8 @@ def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_b
       time_buckets=None):
     default = fp8.DEFAULT_OUT_DTYPE if q.dtype == fp8.FP8_DTYPE else q.dtype
     return (torch.empty_like(q, dtype=out_dtype or default),
-            *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum))
+            *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum),
+            _buckets_fake(q, time_bias, time_buckets, block_size))
 
 
 @planned
@@ -266,12 +301,12 @@ def _(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, sc
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *_bias_grad_fakes(q, pos_bias, time_bias)
 
 
-def _save_for_backward(ctx, inputs: tuple, table: tuple) -> None:
+def _save_for_backward(ctx, inputs: tuple, table: tuple, buckets: torch.Tensor | None) -> None:
     """Both routes (:func:`block_attention`): what the backward reads. ``inputs`` as the forward op takes them."""
     (q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias, width, p, seed,
      *layout_table) = inputs[:17]  # the fp8 forward's arguments follow (it has no backward), then the time buckets
     block_cum, block_seq = _saved_table(layout_table, table)
-    time_buckets = inputs[22] if len(inputs) > 22 else None
+    time_buckets = _saved_buckets(inputs[22] if len(inputs) > 22 else None, buckets)
     ctx.save_for_backward(q, k, v, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed,
                           time_buckets)
     ctx.block_size, ctx.scale, ctx.rotate = block_size, scale, rotate
@@ -301,8 +336,8 @@ def _qkv_block_attention_forward(qkv, offsets, sinu_pos, num_heads, num_kv_heads
                                  causal=False, pos_bias=None, timestamps=None, time_bias=None,
                                  time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None,
                                  block_cum=None, block_seq=None,
-                                 time_buckets=None) -> tuple[torch.Tensor, BlockTable | None]:
-    """``(out, table)`` (:func:`_forward`) of the packed forward op's arguments."""
+                                 time_buckets=None) -> tuple:
+    """``(out, table, buckets)`` (:func:`_forward`) of the packed forward op's arguments."""
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
                       time_buckets)
     return _forward(*split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_size, scale, rotate, options,
@@ -316,8 +351,9 @@ def _qkv_block_attention_fwd(
     time_bucket_width: float = DEFAULT_BUCKET_WIDTH, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
     block_cum: torch.Tensor | None = None, block_seq: torch.Tensor | None = None,
     time_buckets: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block attention on the heads of a packed projection, read in place through strides."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block attention on the heads of a packed projection, read in place through strides; the outputs of
+    :func:`_block_attention_fwd`."""
     return _op_outputs(*_qkv_block_attention_forward(
         qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal, pos_bias, timestamps,
         time_bias, time_bucket_width, dropout_p, dropout_seed, block_cum, block_seq, time_buckets), offsets)
@@ -333,7 +369,8 @@ def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate
       block_cum=None, block_seq=None, time_buckets=None):
     n = qkv.shape[0]
     head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
-    return qkv.new_empty(n, num_heads, head_dim), *_fwd_table_fakes(offsets, n, block_size, block_cum)
+    return (qkv.new_empty(n, num_heads, head_dim), *_fwd_table_fakes(offsets, n, block_size, block_cum),
+            _buckets_fake(qkv, time_bias, time_buckets, block_size))
 
 
 @planned
@@ -377,11 +414,11 @@ def _(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_
     return torch.empty_like(qkv), *_bias_grad_fakes(qkv, pos_bias, time_bias)
 
 
-def _qkv_save_for_backward(ctx, inputs: tuple, table: tuple) -> None:
+def _qkv_save_for_backward(ctx, inputs: tuple, table: tuple, buckets: torch.Tensor | None) -> None:
     (qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal, pos_bias, timestamps,
      time_bias, width, p, seed, *layout_table) = inputs[:17]
     block_cum, block_seq = _saved_table(layout_table, table)
-    time_buckets = inputs[17] if len(inputs) > 17 else None
+    time_buckets = _saved_buckets(inputs[17] if len(inputs) > 17 else None, buckets)
     ctx.save_for_backward(qkv, offsets, sinu_pos, block_cum, block_seq, pos_bias, timestamps, time_bias, seed,
                           time_buckets)
     ctx.shape_options = (num_heads, num_kv_heads, block_size, scale, rotate)

@@ -1,9 +1,10 @@
 """The in-block options' benchmark (``python -m blockattn bench --options``): on a workload (the ``ads`` preset by
 default), the plain op, each option alone and causal + both biases together, forward, backward (the op alone, from
-the forward's block table) and both (autograd, gradients of q, k, v and the biases), as time over the memory floor
-and as overhead over the plain op in the same run; blockattn per call and on a batch layout built once (the block
-table and the time buckets that a model's layers share); against the same computation built from FlexAttention
-(``score_mod`` and ``mask_mod``, compiled, on the padded blocks) and from padded SDPA with an additive bias tensor.
+the forward's block table and time buckets) and both (autograd, gradients of q, k, v and the biases), as time over
+the memory floor and as overhead over the plain op in the same run; blockattn per call and on a batch layout built
+once (the block table and the time buckets that a model's layers share); against the same computation built from
+FlexAttention (``score_mod`` and ``mask_mod``, compiled, on the padded blocks) and from padded SDPA with an
+additive bias tensor.
 
 Timestamps are increasing within each sequence (gaps of 1 s to 20 min, the shape of a user's history), the time
 bias has 64 buckets, dropout is 0.1. Each baseline's output is checked against blockattn's (SNR) before it is
@@ -83,23 +84,26 @@ def _blockattn(inputs: _Inputs, kwargs: dict, batch_layout: bool = False) -> dic
     share it) that holds the block table and the time buckets, which each call otherwise builds."""
     case = inputs.case
     leaves, own = inputs.leaves(kwargs)
-    offsets, time_buckets, call_kwargs = case.offsets, None, {**own, "block_size": case.block_size}
+    seed = torch.randint(2**62, (1,), device=inputs.device) if "dropout_p" in own else None
+    op_args = {"q": case.q, "k": case.k, "v": case.v, "offsets": case.offsets, "sinu_pos": None,
+               "block_size": case.block_size, "scale": case.scale, "rotate": 0, **own, "dropout_seed": seed}
+    offsets, call_kwargs = case.offsets, {**own, "block_size": case.block_size}
     if batch_layout:
         offsets = blockattn.block_layout(case.offsets, case.q.shape[0], case.block_size, timestamps=inputs.timestamps,
                                          num_time_buckets=NUM_BUCKETS)
         time_buckets = offsets.time_buckets if "time_bias" in own else None
         call_kwargs = {k: v for k, v in own.items() if k != "timestamps"}
+    else:  # what autograd hands the backward: the time buckets the forward built (a 0-element tensor: none)
+        with torch.no_grad():
+            built = torch.ops.blockattn.block_attention_fwd(**op_args)[3]
+        time_buckets = built if built.numel() else None
 
     def forward():
         return blockattn.block_attention(*leaves[:3], offsets, scale=case.scale, **call_kwargs)
 
-    seed = torch.randint(2**62, (1,), device=inputs.device) if "dropout_p" in own else None
-
     def backward():  # the op alone, as autograd calls it
-        return torch.ops.blockattn.block_attention_bwd(
-            grad_out=case.do, q=case.q, k=case.k, v=case.v, offsets=case.offsets, sinu_pos=None,
-            **case.table._asdict(), block_size=case.block_size, scale=case.scale, rotate=0, **own, dropout_seed=seed,
-            time_buckets=time_buckets)
+        return torch.ops.blockattn.block_attention_bwd(grad_out=case.do, **op_args, **case.table._asdict(),
+                                                       time_buckets=time_buckets)
 
     return {"fwd": forward, "bwd": backward, "leaves": leaves, "out": forward}
 
