@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockattn
-from blockattn import backends
+from blockattn import backends, checks
 from blockattn.block_table import build_block_table
 from blockattn.ops import block_attention as triton_ops
 from blockattn.ops import in_block
@@ -392,6 +392,16 @@ def test_layout_with_timestamps_refuses_what_does_not_match():
         blockattn.block_attention(q, k, v, layout, time_bias=bias, time_bucket_width=0.5)
     with pytest.raises(ValueError, match="time_bias has 9 buckets"):
         blockattn.block_attention(q, k, v, layout, time_bias=torch.randn(2, 9))
+    with pytest.raises(ValueError, match="time_bucket_width was given to block_layout without timestamps"):
+        blockattn.block_layout(offsets, n, 16, time_bucket_width=0.5)
+    with pytest.raises(ValueError, match=r"time_buckets must be a contiguous torch.int32 tensor \[29, 16\]"):
+        blockattn.block_attention(q, k, v, layout._replace(time_buckets=torch.zeros(n, 8, dtype=torch.uint8)),
+                                  time_bias=bias)
+    # A table as block_layout builds it where the kernels run (Triton's interpreter without a GPU) is accepted.
+    kernel_offsets, kernel_times = offsets.to(KERNEL_DEVICE), times.to(KERNEL_DEVICE)
+    kernel_layout = blockattn.block_layout(kernel_offsets, n, 16, timestamps=kernel_times, num_time_buckets=8)
+    built = in_block.bucket_table(kernel_times, 8, 0.301, kernel_offsets, kernel_layout.table, 16)
+    assert checks.layout_time_bias(kernel_layout._replace(time_buckets=built), None, bias, None)[2] is built
     # The layout's own timestamps and width, passed again, are accepted.
     assert torch.equal(blockattn.block_attention(q, k, v, layout, timestamps=times, time_bias=bias,
                                                  time_bucket_width=0.301),

@@ -9,12 +9,11 @@ import torch
 from . import checks, custom_ops, devices
 from .block_table import BlockLayout, BlockTable
 from .ops import fp8
-from .ops.in_block import DEFAULT_BUCKET_WIDTH
 
 
 def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = checks.DEFAULT_BLOCK_SIZE, *,
                  timestamps: torch.Tensor | None = None, num_time_buckets: int | None = None,
-                 time_bucket_width: float = DEFAULT_BUCKET_WIDTH) -> BlockLayout:
+                 time_bucket_width: float | None = None) -> BlockLayout:
     """The block structure of one batch, to pass in place of ``offsets`` to every attention call on it.
 
     A model with many attention layers, or a serving loop that runs one batch through several calls, builds it once
@@ -34,17 +33,17 @@ def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = check
         num_tokens: ``N``, the number of packed tokens (``q.shape[0]``; a shape, so nothing is read on the host).
         block_size: 16, 32, 64 or 128; the attention calls take the layout's (their own ``block_size`` left out).
         timestamps: ``[N]`` int64, int32 or float32 on the device of ``offsets``, as for :func:`block_attention`;
-            with ``num_time_buckets``, the time bias's number of buckets, and ``time_bucket_width``.
+            with ``num_time_buckets``, the time bias's number of buckets, and ``time_bucket_width`` (0.301 by
+            default; only with timestamps).
 
     Works under ``torch.compile`` (built inside the compiled model or passed into it; opaque ops, dynamic shapes
     included) and CUDA-graph capture like the calls themselves.
     """
     checks.layout(offsets, num_tokens, block_size)
-    checks.layout_times(timestamps, num_time_buckets, time_bucket_width, offsets, num_tokens)
+    width = checks.layout_times(timestamps, num_time_buckets, time_bucket_width, offsets, num_tokens)
     table = BlockTable(*custom_ops.block_table(offsets, num_tokens, block_size))
     if timestamps is None:
         return BlockLayout(offsets, num_tokens, block_size, table)
-    width = float(time_bucket_width)
     buckets = (custom_ops.time_bucket_table(offsets, *table, timestamps, num_time_buckets, width, block_size)
                if devices.kernels_run_on(offsets.device) else None)
     return BlockLayout(offsets, num_tokens, block_size, table, timestamps, num_time_buckets, width, buckets)

@@ -15,7 +15,7 @@ import torch
 from . import devices
 from .block_table import BlockLayout, BlockTable
 from .ops.fp8 import FP8_DTYPE
-from .ops.in_block import DEFAULT_BUCKET_WIDTH, MIN_BUCKET_WIDTH
+from .ops.in_block import DEFAULT_BUCKET_WIDTH, MIN_BUCKET_WIDTH, bucket_dtype
 from .ops.tiles import ROTATE_BITS
 
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -413,18 +413,25 @@ def _bucket_width(time_bucket_width) -> None:
         raise ValueError(f"time_bucket_width must be a finite float >= {MIN_BUCKET_WIDTH}, got {time_bucket_width!r}")
 
 
-def layout_times(timestamps, num_time_buckets, time_bucket_width, offsets_: torch.Tensor, num_tokens_: int) -> None:
+def layout_times(timestamps, num_time_buckets, time_bucket_width, offsets_: torch.Tensor,
+                 num_tokens_: int) -> float | None:
     """The time-bias arguments of :func:`blockattn.block_layout`: both or neither of ``timestamps [N]`` and
-    ``num_time_buckets``."""
+    ``num_time_buckets``, a width only with them; returns the width (0.301 when left out), None without
+    timestamps."""
     if (timestamps is None) != (num_time_buckets is None):
         raise ValueError("block_layout takes timestamps and num_time_buckets together (the time bias's "
                          "time_bias.shape[1]), or neither")
     if timestamps is None:
-        return
+        if time_bucket_width is not None:
+            raise ValueError("time_bucket_width was given to block_layout without timestamps: it is the width of "
+                             "the timestamps' buckets")
+        return None
     _timestamps(timestamps, num_tokens_, offsets_.device, "offsets")
     if isinstance(num_time_buckets, bool) or not isinstance(num_time_buckets, int) or num_time_buckets < 1:
         raise ValueError(f"num_time_buckets must be a positive int, got {num_time_buckets!r}")
-    _bucket_width(time_bucket_width)
+    width = DEFAULT_BUCKET_WIDTH if time_bucket_width is None else time_bucket_width
+    _bucket_width(width)
+    return float(width)
 
 
 def layout_time_bias(value, timestamps, time_bias, time_bucket_width) -> tuple:
@@ -442,7 +449,15 @@ def layout_time_bias(value, timestamps, time_bias, time_bucket_width) -> tuple:
     if isinstance(time_bias, torch.Tensor) and time_bias.dim() == 2 and time_bias.shape[1] != value.num_time_buckets:
         raise ValueError(f"time_bias has {time_bias.shape[1]} buckets (shape[1]), but the BlockLayout passed as "
                          f"offsets was built for num_time_buckets={value.num_time_buckets}")
-    return value.timestamps, value.time_bucket_width, value.time_buckets
+    buckets = value.time_buckets
+    if buckets is not None:
+        # A layout is a NamedTuple: one assembled by hand must not hand the kernels a table they would overrun.
+        shape, dtype = (value.num_tokens, value.block_size), bucket_dtype(value.num_time_buckets, value.block_size)
+        if (not isinstance(buckets, torch.Tensor) or tuple(buckets.shape) != shape or buckets.dtype != dtype
+                or buckets.device != value.offsets.device or not buckets.is_contiguous()):
+            raise ValueError(f"the BlockLayout's time_buckets must be a contiguous {dtype} tensor {list(shape)} on "
+                             f"the device of its offsets, as blockattn.block_layout builds it")
+    return value.timestamps, value.time_bucket_width, buckets
 
 
 def in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q: torch.Tensor,
