@@ -88,8 +88,7 @@ def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InB
     table = BlockTable(block_cum, block_seq) if built is None else built
     buckets = None
     if _builds_buckets(q, options.time_bias, options.buckets):
-        buckets = in_block.bucket_table(options.timestamps, options.time_bias.shape[1], options.bucket_width, offsets,
-                                        table, block_size)
+        buckets = in_block.call_buckets(options, offsets, table, block_size)
         options = options._replace(buckets=buckets)
     out = backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, fp8_scales)
     return out, built, buckets

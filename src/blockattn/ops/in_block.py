@@ -52,8 +52,8 @@ _PHILOX_ROUNDS = 10
 class InBlock(NamedTuple):
     """The in-block options of one call, checked (``checks.in_block``). ``seed``: an int64 ``[1]`` tensor on the
     inputs' device, drawn when ``dropout_p > 0``. ``buckets``: the time buckets' table of the call's timestamps
-    (:func:`bucket_table`), where a batch's layout built it once for all its calls; else the kernels' launchers
-    build one per call."""
+    (:func:`bucket_table`), where a batch's layout built it once for all its calls or the call's forward built it
+    for its backward; else the kernels' launchers build one (:func:`call_buckets`)."""
 
     causal: bool = False
     pos_bias: torch.Tensor | None = None
@@ -194,17 +194,21 @@ def bucket_table(timestamps: torch.Tensor, num_buckets: int, width: float, offse
     return buckets
 
 
+def call_buckets(options: InBlock, offsets: torch.Tensor, table: BlockTable, block_size: int) -> torch.Tensor:
+    """The time buckets' table of a call with a time bias: the one ``options`` carries, else one built here."""
+    if options.buckets is not None:
+        return options.buckets
+    return bucket_table(options.timestamps, options.time_bias.shape[1], options.bucket_width, offsets, table,
+                        block_size)
+
+
 def call_args(options: InBlock, like: torch.Tensor, offsets: torch.Tensor, table: BlockTable,
               block_size: int) -> dict:
-    """:func:`kernel_args` of one call; with a time bias, on the layout's table of time buckets, or on one built
-    here."""
+    """:func:`kernel_args` of one call; with a time bias, on the table of time buckets it carries (its layout's or
+    its forward's), or on one built here."""
     if options.time_bias is None:
         return kernel_args(options, like)
-    buckets = options.buckets
-    if buckets is None:
-        buckets = bucket_table(options.timestamps, options.time_bias.shape[1], options.bucket_width, offsets, table,
-                               block_size)
-    return kernel_args(options, like, buckets)
+    return kernel_args(options, like, call_buckets(options, offsets, table, block_size))
 
 
 def bias_grad_partials(options: InBlock, num_slots: int, block_size: int,
