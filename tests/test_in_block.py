@@ -28,7 +28,7 @@ import blockattn
 from blockattn import backends, checks
 from blockattn.block_table import build_block_table
 from blockattn.ops import block_attention as triton_ops
-from blockattn.ops import in_block
+from blockattn.ops import in_block, plans
 from blockattn.ops.in_block import InBlock, dropout_keep
 from blockattn.ops.tiles import ROTATE_ALL
 from blockattn.reference import block_attention_reference, snr_db
@@ -97,6 +97,26 @@ def test_forward_slices_narrow_with_two_tile_options():
     assert chunk("pos", "dropout") == chunk("time", "dropout") == chunk("causal", "pos", "time") == 64
     assert chunk() == chunk("causal") == chunk("causal", "time") == chunk("dropout") == 128
     assert chunk("pos", "time", group=2) == chunk("pos", "time", rotary=True) == 128
+
+
+@pytest.mark.parametrize("block_size,head_dim,dtype,rotate,names,cap", [
+    (64, 128, torch.bfloat16, 0, ("causal",), 128), (64, 128, torch.float16, 0, ("time", "dropout"), 128),
+    (64, 128, torch.bfloat16, 0, (), None),  # no option
+    (16, 64, torch.bfloat16, 0, ("time",), None), (32, 128, torch.bfloat16, 0, ("time",), None),
+    (64, 256, torch.bfloat16, 0, ("causal",), None), (64, 64, torch.bfloat16, 0, ("dropout",), None),
+    (64, 128, torch.float32, 0, ("causal",), None), (64, 128, torch.bfloat16, ROTATE_ALL, ("causal",), None)])
+def test_forward_register_cap_only_where_it_measured_faster(block_size, head_dim, dtype, rotate, names, cap):
+    """The forward's register cap of 128 with in-block options holds at 64-token blocks and D = 128 only: elsewhere
+    it measured slower (16- and 32-token blocks, D = 256) or tied."""
+    bits = sum({"causal": in_block.CAUSAL, "time": in_block.TIME_BIAS, "dropout": in_block.DROPOUT}[n].value
+               for n in names)
+    q = torch.empty(2, 4, head_dim, dtype=dtype)
+    cfg = triton_ops.kernel_config(block_size, head_dim, backward=False, element_size=q.element_size(),
+                                   rotary=bool(rotate), in_block_bits=bits)
+    options = InBlock(causal="causal" in names, dropout_p=0.25 if "dropout" in names else 0.0,
+                      time_bias=torch.zeros(4, 8) if "time" in names else None)
+    assert options.bits == bits
+    assert triton_ops._forward_register_cap(cfg, q, block_size, rotate, options) == cap
 
 
 @pytest.mark.parametrize("heads,names", [((4, 1), "all")] + ([((2, 2), "causal+pos+time")] if HAS_GPU else []))
@@ -672,17 +692,22 @@ def test_gpu_block_layout_compiles_and_captures():
 
 
 @requires_gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_layout_time_buckets_bitwise_compiled_and_captured(head_dim):
+@pytest.mark.parametrize("head_dim,block_size,num_buckets,width", [
+    (64, 64, 40, None), (128, 64, 40, None), (64, 16, 300, 0.5)])  # the last: an int32 table, a width of its own
+def test_gpu_layout_time_buckets_bitwise_compiled_and_captured(head_dim, block_size, num_buckets, width, monkeypatch):
     """A layout built with the timestamps holds their table of buckets on the GPU, which the forward and the
-    backward (the Hopper kernel at these shapes) read: the bits of per-call timestamps, inside torch.compile (the
-    layout built there too) and in a CUDA graph."""
+    backward read (and neither builds its own): the bits of per-call timestamps, inside torch.compile (the layout
+    built there too) and in a CUDA graph; another table changes the output and the time bias's gradient."""
     lengths = [300, 0, 64, 129, 7]
     q, k, v, do, offsets = random_inputs(lengths, 4, 4, head_dim, torch.bfloat16, "cuda")
-    options = make_options("causal+pos+time", 4, 64, q.shape[0], "cuda", num_buckets=40)
-    layout = blockattn.block_layout(offsets, q.shape[0], timestamps=options.timestamps, num_time_buckets=40)
-    assert layout.time_buckets.shape == (q.shape[0], 64)
+    options = make_options("causal+pos+time", 4, block_size, q.shape[0], "cuda", num_buckets=num_buckets)
+    layout = blockattn.block_layout(offsets, q.shape[0], block_size, timestamps=options.timestamps,
+                                    num_time_buckets=num_buckets, time_bucket_width=width)
+    assert layout.time_buckets.shape == (q.shape[0], block_size)
+    assert layout.time_buckets.dtype == (torch.uint8 if num_buckets <= 256 else torch.int32)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, options.pos_bias, options.time_bias)]
+    per_call = {"timestamps": options.timestamps, "block_size": block_size} | (
+        {} if width is None else {"time_bucket_width": width})
 
     def forward(where, **extra):
         return blockattn.block_attention(*leaves[:3], where, causal=True, pos_bias=leaves[3], time_bias=leaves[4],
@@ -701,13 +726,19 @@ def test_gpu_layout_time_buckets_bitwise_compiled_and_captured(head_dim):
 
     graph, static_out = capture_cuda_graph(training_step)
     graph.replay()
-    want = step(forward, offsets, timestamps=options.timestamps)
+    want = step(forward, offsets, **per_call)
     assert all(torch.equal(a, b) for a, b in zip([static_out, *(t.grad for t in leaves)], want))
+    built = []
+    monkeypatch.setattr(in_block, "bucket_table", lambda *args: built.append(args) or pytest.fail("a table built"))
+    plans.forget()  # a replayed plan would launch a table kernel without calling bucket_table
     assert all(torch.equal(a, b) for a, b in zip(step(forward, layout), want))
-    # The layout's table is what the kernels read: another one changes the output.
-    assert not torch.equal(forward(layout._replace(time_buckets=layout.time_buckets // 2)), want[0])
+    # The layout's table is what the kernels read, forward and backward: another one changes both.
+    other = step(forward, layout._replace(time_buckets=layout.time_buckets // 2))
+    assert not built and not torch.equal(other[0], want[0]) and not torch.equal(other[5], want[5])
+    monkeypatch.undo()
     compiled = torch.compile(lambda offsets: forward(blockattn.block_layout(
-        offsets, q.shape[0], timestamps=options.timestamps, num_time_buckets=40)), fullgraph=True)
+        offsets, q.shape[0], block_size, timestamps=options.timestamps, num_time_buckets=num_buckets,
+        time_bucket_width=width)), fullgraph=True)
     assert all(torch.equal(a, b) for a, b in zip(step(compiled, offsets), want))
 
 
@@ -729,4 +760,11 @@ def test_gpu_backward_reads_the_forward_time_buckets(monkeypatch):
     outputs = torch.ops.blockattn.block_attention_fwd(*args)
     assert torch.equal(outputs[0], out) and torch.equal(outputs[3], built[0])
     torch.library.opcheck(torch.ops.blockattn.block_attention_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    qkv = torch.cat([q, k, v], dim=1).flatten(1)
+    packed = (qkv, offsets, None, 4, 4, 64, 128**-0.5, 0, True, options.pos_bias, options.timestamps,
+              options.time_bias)
+    outputs = torch.ops.blockattn.qkv_block_attention_fwd(*packed)
+    assert torch.equal(outputs[0], out) and torch.equal(outputs[3], built[0])
+    torch.library.opcheck(torch.ops.blockattn.qkv_block_attention_fwd.default, packed,
                           test_utils=("test_schema", "test_faketensor"))

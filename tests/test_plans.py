@@ -55,6 +55,25 @@ def test_a_plan_replays_allocations_views_fills_and_launches_on_new_arguments():
     assert out.data_ptr() != result[0].data_ptr()  # a new allocation each replay
 
 
+def _factories_and_views(x):
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_strided((2, 3), (1, 2)),
+            torch.empty_like(x, dtype=torch.float16), torch.zeros(3, dtype=torch.int32), torch.zeros_like(x),
+            torch.full((2,), 3.5), x.new_empty((4,)), x.new_zeros((2, 2)), x.view(4, 6))
+
+
+def test_factories_and_views_replay_by_their_public_functions():
+    """Plans replay these overloads by ``torch.empty`` & co. (less host time): the same tensors as recorded."""
+    recorded, plan = plans._record(_factories_and_views, (torch.arange(24.0),))
+    assert isinstance(plan, plans.Plan) and len(plan.steps) == 9
+    y = torch.randn(24)
+    replayed = plan((y,))
+    for want, got in zip(recorded, replayed):
+        assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype, want.device)
+    assert not replayed[3].any() and not replayed[4].any() and not replayed[7].any()
+    assert torch.equal(replayed[5], torch.full((2,), 3.5))
+    assert replayed[8].data_ptr() == y.data_ptr() and torch.equal(replayed[8], y.view(4, 6))
+
+
 def test_a_plan_passes_an_argument_given_twice_once_per_position():
     def copy_into(dst, src):
         _launch(_kernel, dst, src, 1.0)
@@ -237,15 +256,29 @@ def test_gpu_flash_attention_replays(dtype, causal, varlen, variant):
     _replays_match(call, inputs, [custom_ops._flash_attention_fwd])
 
 
-@requires_gpu
-def test_gpu_signatures_tell_apart_alignment_aliasing_and_the_current_device():
-    x = torch.randn(64, device="cuda")
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_signatures_tell_apart_shapes_alignment_aliasing_types_and_the_current_device(monkeypatch):
+    device = [0]
+    monkeypatch.setattr(plans, "_current_device", lambda: device[0])
+    monkeypatch.setattr(plans, "_KEY_FUNCTIONS", {})
+    x = torch.randn(64)
     key = plans._signature
     assert key((x, 1.0)) != key((x[1:65 - 1], 1.0))  # shape
     assert key((x[:32], 1.0)) != key((x[1:33], 1.0))  # 16-byte alignment
     assert key((x[:32], 1.0)) == key((x[32:], 1.0))
+    assert key((x.view(8, 8), None)) != key((x.view(8, 8).t(), None))  # strides
+    assert key((x, None)) != key((x.half(), None))  # dtype
     assert key((x, x)) != key((x, x.clone()))  # one tensor twice against two tensors
-    assert key((x, 1)) != key((x, 1.0)) != key((x, True))  # the type
+    assert key((x, 1)) != key((x, 1.0)) != key((x, True)) != key((x, None))  # the type
+    assert key((x, 2.0)) != key((x, 3.0))
+    before = key((x, 1.0))
+    device[0] = 1
+    assert key((x, 1.0)) != before
+    with pytest.raises(TypeError):  # the plan's caller runs the implementation as it is then
+        key((x.as_subclass(_Subclass), 1.0))
 
 
 @requires_gpu

@@ -448,10 +448,10 @@ def eager_route(*tensors: torch.Tensor) -> bool:
     (docs/benchmarks.md), more than the kernels of a small batch take. Not while ``torch.compile`` traces, under
     a dispatch mode (``FlopCounterMode``, ``FakeTensorMode``) or a functorch transform, nor for tensor subclasses
     or meta tensors: there the op's registrations (fake, FLOP formula) are what is asked for."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
-    return (torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active()
-            and all(type(t) in _PLAIN_TENSORS for t in tensors) and tensors[0].device.type != "meta")
+    return (not torch._C._are_functorch_transforms_active() and not tensors[0].is_meta
+            and all(type(t) in _PLAIN_TENSORS for t in tensors))
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

@@ -701,17 +701,21 @@ def _register_cap(maxnreg: int | None) -> dict:
     return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
-def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, rotate: int, options: InBlock) -> int | None:
-    """The forward's register cap: 128 with any in-block option, for 16-bit inputs at 4 warps and one program per
-    query head, without a rotary; else none. The options take the kernel past 128 registers a thread (3 programs an
-    SM instead of 4; the time bias 148). At `ads` on an H100 (the plain op 2.151 ms; 2026-11-25, 02:13-02:28 UTC),
-    capped against the compiler's choice: the causal mask 2.164 against 2.198 ms, dropout 2.166 against 2.258, the
-    causal mask with the position bias 2.221 against 2.401, with dropout 2.169 against 2.285 (the time bias, capped
-    first: 2.325 against 2.400 on 2026-11-24); the position bias alone 2.158 against 2.155. Two or more of the
-    options also take 64-wide slices (``kernel_config``), where the cap changes little (2.277 against 2.297 with
-    the causal mask, the position bias and dropout; 2.479 against 2.474 with the causal mask and both biases)."""
+def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: int, rotate: int,
+                          options: InBlock) -> int | None:
+    """The forward's register cap: 128 with any in-block option at 64-token blocks and D = 128, for 16-bit inputs
+    at 4 warps and one program per query head, without a rotary; else none. The options take the kernel past 128
+    registers a thread (3 programs an SM instead of 4; the time bias 148). At `ads` on an H100 (the plain op 2.151
+    ms; 2026-11-25, 02:13-02:28 UTC), capped against the compiler's choice: the causal mask 2.164 against 2.198 ms,
+    dropout 2.166 against 2.258, the causal mask with the position bias 2.221 against 2.401, with dropout 2.169
+    against 2.285 (the time bias, capped first: 2.325 against 2.400 on 2026-11-24); the position bias alone 2.158
+    against 2.155. Two or more of the options also take 64-wide slices (``kernel_config``), where the cap changes
+    little (2.277 against 2.297 with the causal mask, the position bias and dropout; 2.479 against 2.474 with the
+    causal mask and both biases). At other shapes the cap lost or tied (`ads` lengths, H100, 04:05-04:14 UTC): the
+    time bias at 16-token blocks (D 64) 1.607 against 1.323 ms, at 32-token blocks (D 128) 2.536 against 2.266, at
+    64-token blocks and D 256 2.446 against 2.360; D 64 within 1%."""
     plain_launch = (cfg["NUM_WARPS"] == 4 and cfg["HEADS_PER_PROGRAM"] == 1 and not rotate
-                    and q.dtype in (torch.float16, torch.bfloat16))
+                    and q.dtype in (torch.float16, torch.bfloat16) and block_size == 64 and q.shape[-1] == 128)
     return 128 if plain_launch and options.bits else None
 
 
@@ -784,7 +788,7 @@ def block_attention_fwd_triton(
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q), HEADS_PER_PROGRAM=heads,
         num_warps=num_warps or cfg["NUM_WARPS"], num_stages=1,
-        **_register_cap(maxnreg or _forward_register_cap(cfg, q, rotate, options)),
+        **_register_cap(maxnreg or _forward_register_cap(cfg, q, block_size, rotate, options)),
     )
     return out
 
