@@ -142,6 +142,12 @@ def test_forward_heads_per_program_override(dtype):
     any launch."""
     assert triton_ops.kernel_config(64, 128, backward=False, group=2)["HEADS_PER_PROGRAM"] == 2
     assert triton_ops.kernel_config(16, 64, backward=False, group=2)["HEADS_PER_PROGRAM"] == 1
+    # The group's loop pipelined four deep, but for 16-bit pairs of heads at D = 128 (measured slower there)
+    stages = {(group, d, size): triton_ops.kernel_config(64, d, backward=False, group=group,
+                                                         element_size=size)["GROUP_STAGES"]
+              for group in (1, 2, 8) for d in (64, 128) for size in (1, 2)}
+    assert stages.pop((2, 128, 2)) == 1 and stages.pop((1, 64, 1)) == stages.pop((1, 64, 2)) == 1
+    assert stages.pop((1, 128, 1)) == stages.pop((1, 128, 2)) == 1 and set(stages.values()) == {4}
 
     inputs = {d: random_inputs(odd_lengths(16), 4, 2, d, dtype, KERNEL_DEVICE) for d in (64, 128)}
 
@@ -152,6 +158,9 @@ def test_forward_heads_per_program_override(dtype):
                                                      **override)
 
     torch.testing.assert_close(forward(heads_per_program=2), forward())
+    torch.testing.assert_close(forward(heads_per_program=2, group_stages=4), forward())
+    with pytest.raises(ValueError, match="group_stages must be at least 1"):
+        forward(group_stages=0)
     angles = random_angles(sum(odd_lengths(16)), 64, device=KERNEL_DEVICE)
     torch.testing.assert_close(forward(sinu_pos=angles, rotate=ROTATE_ALL, heads_per_program=2),
                                forward(sinu_pos=angles, rotate=ROTATE_ALL))

@@ -116,7 +116,12 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     not measured with it, keep a program per query head). At `ads` lengths on an H100, against one program per
     query head: bf16 4:1 at D = 128 1.02x the floor against 1.07x, 8:1 1.03x against 1.11x, 8:1 at D = 64 1.09x
     against 1.25x; fp8 4:1 1.18x against 1.28x; with a rotary and fp32 angles 4:1 1.12x against 1.32x, 8:1 1.18x
-    against 1.57x; 8 warps lost everywhere, by 15-75%.
+    against 1.57x; 8 warps lost everywhere, by 15-75%. That loop is software-pipelined four deep (``GROUP_STAGES``:
+    the next heads' q loads issued ahead), except for 16-bit inputs at D = 128 with two query heads per kv head,
+    where it lost (1.07x against 0.99x at 4:2). At `ads` lengths on an H100 (2026-11-25, 04:29-04:33 UTC), one
+    stage -> four: fp8 8:1 at D = 128 1.20x -> 1.08x, 4:2 1.16x -> 1.07x, 8:1 at D = 64 1.36x -> 1.12x, 8:2 at
+    D = 32 1.40x -> 1.29x; bf16 8:1 at D = 128 1.03x -> 1.01x, 8:2 at D = 32 1.23x -> 1.06x; with a rotary and
+    fp32 angles, bf16 8:1 at D = 128 1.18x -> 1.03x, fp8 1.43x -> 1.21x. Two stages lost to one (bf16 8:1 1.17x).
 
     Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), slices wider than 64 x 128, or,
     at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2
@@ -155,7 +160,9 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "NUM_CHUNKS": triton.cdiv(block_d, chunk),
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
-        "GROUP_STAGES": 2 if backward and group > 1 and not rotary else 1,
+        "GROUP_STAGES": ((2 if group > 1 and not rotary else 1) if backward
+                         else 4 if heads_per_program > 1 and not (element_size == 2 and group == 2 and block_d == 128)
+                         else 1),
         "HEADS_PER_PROGRAM": heads_per_program,
         "NUM_WARPS": 8 if block_size == 128 or wide or rotary_gqa_fwd else 4,
     })
@@ -228,7 +235,8 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
                       out_factor, stride_qn, stride_qh, stride_kn, stride_vn, stride_on, stride_oh, stride_sn,
                       stride_sd, mods, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr,
-                      INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr, HEADS: tl.constexpr):
+                      INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr, HEADS: tl.constexpr,
+                      GROUP_STAGES: tl.constexpr):
     """The forward of one (block, head) on pair halves, the operands named by ROTATE turned after loading (fp8
     inputs: in fp16, ``out_factor`` their output's descale); with ``HEADS`` > 1 (one slice), of query heads
     ``head ...`` on k and v read and turned once."""
@@ -242,7 +250,7 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
                                         ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
         v_even, v_odd = _operand_halves(load_words(v_base, rows, 0, stride_vn, mask, PAIRS), sin, cos,
                                         ROTATE_V & ROTATE, elem_ty, False)
-        for g in tl.range(HEADS):
+        for g in tl.range(HEADS, num_stages=GROUP_STAGES):
             q_words = load_words(q_ptr + (head + g) * stride_qh, rows, 0, stride_qn, mask, PAIRS)
             q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE_Q & ROTATE, elem_ty, INLINE_ASM)
             scores = _pair_dot(q_even, q_odd, k_even, k_odd, tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32),
@@ -292,13 +300,13 @@ def _fwd_group(q_ptr, k_base, v_base, o_ptr, start, first_head, rows, row_ok, he
                stride_qn, stride_qh, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_on, stride_oh,
                stride_od, mods, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
                DOT_PRECISION: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr, FP8_QK: tl.constexpr,
-               HEADS: tl.constexpr):
+               HEADS: tl.constexpr, GROUP_STAGES: tl.constexpr):
     """The forward of query heads ``first_head ...`` of one kv head, whole rows: k and v read once for all."""
     mask = tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
     k = _widened(tl.load(tile_ptrs(k_base, rows, 0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0),
                  FP8 and not FP8_QK)
     v = _widened(tl.load(tile_ptrs(v_base, rows, 0, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0), FP8)
-    for g in tl.range(HEADS):
+    for g in tl.range(HEADS, num_stages=GROUP_STAGES):
         head = first_head + g
         q = _widened(tl.load(tile_ptrs(q_ptr + head * stride_qh, rows, 0, stride_qn, stride_qd, CHUNK), mask=mask,
                              other=0.0), FP8 and not FP8_QK)
@@ -325,7 +333,7 @@ def _block_attention_fwd_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr,
-    FP8_QK: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    FP8_QK: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, GROUP_STAGES: tl.constexpr,
 ):
     # Heads vary fastest so that the programs of one block (which share its rows, and k/v under GQA) run together.
     # ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the operands turned by the rotary angles right after their load;
@@ -364,13 +372,13 @@ def _block_attention_fwd_kernel(
         _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows, row_ok, head_dim,
                           qk_scale_log2, out_factor, stride_qn, stride_qh, stride_kn, stride_vn, stride_on, stride_oh,
                           stride_sn, stride_sd, mods, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE,
-                          INLINE_ASM, IN_BLOCK, FP8, HEADS_PER_PROGRAM)
+                          INLINE_ASM, IN_BLOCK, FP8, HEADS_PER_PROGRAM, GROUP_STAGES)
         return
     if HEADS_PER_PROGRAM > 1:
         _fwd_group(q_ptr, k_base, v_base, o_ptr, start, head, rows, row_ok, head_dim, qk_scale_log2, out_factor,
                    stride_qn, stride_qh, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_on, stride_oh,
                    stride_od, mods, BLOCK_SIZE, CHUNK, EVEN_D, DOT_PRECISION, IN_BLOCK, FP8, FP8_QK,
-                   HEADS_PER_PROGRAM)
+                   HEADS_PER_PROGRAM, GROUP_STAGES)
         return
     scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
@@ -752,13 +760,15 @@ def block_attention_fwd_triton(
     maxnreg: int | None = None,
     fp8_dot: bool | None = None,
     heads_per_program: int | None = None,
+    group_stages: int | None = None,
 ) -> torch.Tensor:
     """Launch the forward kernel over ``table``; returns ``out``. Arguments are those the dispatcher passes
     (``backends``), checked; ``rotate`` is a mask of ``tiles.ROTATE_BITS`` (0 without ``sinu_pos``): those operands
     are turned by ``sinu_pos`` after loading; ``options`` the in-block options; ``fp8_scales`` those of fp8 inputs
     (``ops.fp8``). ``num_warps``, ``maxnreg`` (a register cap) and ``fp8_dot`` (fp8 q k^T on fp8 tensor cores, for
-    fp8 inputs without a rotary and slices 32+ wide; refused elsewhere) and ``heads_per_program`` (1, or under
-    GQA with one head-dim slice the group) override the tuned launch, for tuning sweeps."""
+    fp8 inputs without a rotary and slices 32+ wide; refused elsewhere), ``heads_per_program`` (1, or under
+    GQA with one head-dim slice the group) and ``group_stages`` (the pipelining depth of that group's loop) override
+    the tuned launch, for tuning sweeps."""
     n, hq, d = q.shape
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))
@@ -774,6 +784,8 @@ def block_attention_fwd_triton(
     if heads_per_program not in (None, 1) and (heads_per_program != group or cfg["NUM_CHUNKS"] > 1):
         raise ValueError(f"heads_per_program must be 1, or the GQA group ({group}) where one head-dim slice holds "
                          f"the row, got {heads_per_program}")
+    if group_stages is not None and group_stages < 1:
+        raise ValueError(f"group_stages must be at least 1, got {group_stages}")
     heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     launch(
@@ -787,6 +799,7 @@ def block_attention_fwd_triton(
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_SIZE=block_size,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q), HEADS_PER_PROGRAM=heads,
+        GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
         num_warps=num_warps or cfg["NUM_WARPS"], num_stages=1,
         **_register_cap(maxnreg or _forward_register_cap(cfg, q, block_size, rotate, options)),
     )
