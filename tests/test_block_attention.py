@@ -148,6 +148,7 @@ def test_forward_heads_per_program_override(dtype):
               for group in (1, 2, 8) for d in (64, 128) for size in (1, 2)}
     assert stages.pop((2, 128, 2)) == 1 and stages.pop((1, 64, 1)) == stages.pop((1, 64, 2)) == 1
     assert stages.pop((1, 128, 1)) == stages.pop((1, 128, 2)) == 1 and set(stages.values()) == {4}
+    assert triton_ops.kernel_config(64, 128, backward=False, group=8, in_block_bits=1)["GROUP_STAGES"] == 1
 
     inputs = {d: random_inputs(odd_lengths(16), 4, 2, d, dtype, KERNEL_DEVICE) for d in (64, 128)}
 

@@ -121,7 +121,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     where it lost (1.07x against 0.99x at 4:2). At `ads` lengths on an H100 (2026-11-25, 04:29-04:33 UTC), one
     stage -> four: fp8 8:1 at D = 128 1.20x -> 1.08x, 4:2 1.16x -> 1.07x, 8:1 at D = 64 1.36x -> 1.12x, 8:2 at
     D = 32 1.40x -> 1.29x; bf16 8:1 at D = 128 1.03x -> 1.01x, 8:2 at D = 32 1.23x -> 1.06x; with a rotary and
-    fp32 angles, bf16 8:1 at D = 128 1.18x -> 1.03x, fp8 1.43x -> 1.21x. Two stages lost to one (bf16 8:1 1.17x).
+    fp32 angles, bf16 8:1 at D = 128 1.18x -> 1.03x, fp8 1.43x -> 1.21x. Two stages lost to one (bf16 8:1 1.17x),
+    and so did four with in-block options (the causal mask and the position bias at 4:1: 5.33 ms against 1.73).
 
     Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), slices wider than 64 x 128, or,
     at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2
@@ -161,8 +162,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
         "GROUP_STAGES": ((2 if group > 1 and not rotary else 1) if backward
-                         else 4 if heads_per_program > 1 and not (element_size == 2 and group == 2 and block_d == 128)
-                         else 1),
+                         else 4 if heads_per_program > 1 and not in_block_bits
+                         and not (element_size == 2 and group == 2 and block_d == 128) else 1),
         "HEADS_PER_PROGRAM": heads_per_program,
         "NUM_WARPS": 8 if block_size == 128 or wide or rotary_gqa_fwd else 4,
     })
