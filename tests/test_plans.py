@@ -58,16 +58,18 @@ def test_a_plan_replays_allocations_views_fills_and_launches_on_new_arguments():
 def _factories_and_views(x):
     return (torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_strided((2, 3), (1, 2)),
             torch.empty_like(x, dtype=torch.float16), torch.zeros(3, dtype=torch.int32), torch.zeros_like(x),
-            torch.full((2,), 3.5), x.new_empty((4,)), x.new_zeros((2, 2)), x.view(4, 6))
+            torch.full((2,), 3.5), x.new_empty((4,)), x.new_zeros((2, 2)), x.view(4, 6),
+            torch._assert_async(x.new_zeros((), dtype=torch.bool).fill_(True), "a message"))
 
 
 def test_factories_and_views_replay_by_their_public_functions():
     """Plans replay these overloads by ``torch.empty`` & co. (less host time): the same tensors as recorded."""
     recorded, plan = plans._record(_factories_and_views, (torch.arange(24.0),))
-    assert isinstance(plan, plans.Plan) and len(plan.steps) == 9
+    assert isinstance(plan, plans.Plan) and len(plan.steps) == 12  # the assertion: its operand, a fill, itself
     y = torch.randn(24)
     replayed = plan((y,))
-    for want, got in zip(recorded, replayed):
+    assert replayed[9] is None
+    for want, got in zip(recorded[:9], replayed):
         assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype, want.device)
     assert not replayed[3].any() and not replayed[4].any() and not replayed[7].any()
     assert torch.equal(replayed[5], torch.full((2,), 3.5))

@@ -57,6 +57,8 @@ def float_tensor(name: str, t, ndim: int, layout: str, also: tuple[torch.dtype, 
     tensor(name, t)
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+    if t.dtype in KERNEL_DTYPES or t.dtype in also:  # every call's case first: no device object to make
+        return
     dtypes = KERNEL_DTYPES + ((torch.float64,) if t.device.type in FLOAT64_DEVICES else ()) + also
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must be {_dtype_names(dtypes)} on {t.device.type}, got {t.dtype}")

@@ -52,7 +52,7 @@ _BY_PUBLIC_FUNCTION = {
     _aten.empty_like.default: torch.empty_like, _aten.zeros.default: torch.zeros,
     _aten.zeros_like.default: torch.zeros_like, _aten.full.default: torch.full,
     _aten.new_empty.default: torch.Tensor.new_empty, _aten.new_zeros.default: torch.Tensor.new_zeros,
-    _aten.view.default: torch.Tensor.view,
+    _aten.view.default: torch.Tensor.view, _aten._assert_async.msg: torch._assert_async,
 }
 
 
