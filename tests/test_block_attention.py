@@ -142,7 +142,8 @@ def test_forward_heads_per_program_override(dtype):
     any launch."""
     assert triton_ops.kernel_config(64, 128, backward=False, group=2)["HEADS_PER_PROGRAM"] == 2
     assert triton_ops.kernel_config(16, 64, backward=False, group=2)["HEADS_PER_PROGRAM"] == 1
-    # The group's loop pipelined four deep, but for 16-bit groups of up to 4 heads at D = 128 (measured slower there)
+    # The group's loop pipelined four deep, but for 16-bit groups of up to 4 heads at D = 128 without a rotary
+    # (measured slower there)
     stages = {(group, d, size): triton_ops.kernel_config(64, d, backward=False, group=group,
                                                          element_size=size)["GROUP_STAGES"]
               for group in (1, 2, 4, 8) for d in (64, 128) for size in (1, 2)}
@@ -150,6 +151,7 @@ def test_forward_heads_per_program_override(dtype):
     assert stages.pop((1, 64, 1)) == stages.pop((1, 64, 2)) == 1
     assert stages.pop((1, 128, 1)) == stages.pop((1, 128, 2)) == 1 and set(stages.values()) == {4}
     assert triton_ops.kernel_config(64, 128, backward=False, group=8, in_block_bits=1)["GROUP_STAGES"] == 1
+    assert triton_ops.kernel_config(64, 128, backward=False, group=4, rotary=True)["GROUP_STAGES"] == 4
 
     inputs = {d: random_inputs(odd_lengths(16), 4, 2, d, dtype, KERNEL_DEVICE) for d in (64, 128)}
 

@@ -118,8 +118,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     against 1.25x; fp8 4:1 1.18x against 1.28x; with a rotary and fp32 angles 4:1 1.12x against 1.32x, 8:1 1.18x
     against 1.57x; 8 warps lost everywhere, by 15-75%. That loop is software-pipelined four deep (``GROUP_STAGES``:
     the next heads' q loads issued ahead), except for 16-bit inputs at D = 128 with up to four query heads per kv
-    head, where it lost or tied (H100: 4:2 1.07x against 0.99x, 8:2 1.02x against 1.01x; H200: 8:2 1.19x against
-    1.13x). At `ads` lengths, one stage -> four, H100 (2026-11-25, 04:29-04:39 UTC): fp8 8:1 at D = 128 1.20x ->
+    head and no rotary, where it lost or tied (H100: 4:2 1.07x against 0.99x, 8:2 1.02x against 1.01x; H200: 8:2
+    1.19x against 1.13x; with a rotary it won: 8:2 1.10x against 1.17x, 4:1 1.05x against 1.12x). At `ads` lengths, one stage -> four, H100 (2026-11-25, 04:29-04:39 UTC): fp8 8:1 at D = 128 1.20x ->
     1.08x, 4:2 1.16x -> 1.07x, 8:1 at D = 64 1.36x -> 1.12x, 8:2 at D = 32 1.40x -> 1.27x; bf16 8:1 at D = 64 1.09x
     -> 1.06x, 8:2 at D = 32 1.23x -> 1.06x; with a rotary and fp32 angles, bf16 8:1 at D = 128 1.18x -> 1.02x, fp8
     1.43x -> 1.21x. H200 (04:46 UTC): fp8 8:1 at D = 128 1.40x -> 1.11x, at D = 64 1.67x -> 1.27x; bf16 8:1 at
@@ -166,7 +166,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "PIPELINE_STAGES": 3 if pipelined else 1,
         "GROUP_STAGES": ((2 if group > 1 and not rotary else 1) if backward
                          else 4 if heads_per_program > 1 and not in_block_bits
-                         and not (element_size == 2 and group <= 4 and block_d == 128) else 1),
+                         and not (element_size == 2 and group <= 4 and block_d == 128 and not rotary) else 1),
         "HEADS_PER_PROGRAM": heads_per_program,
         "NUM_WARPS": 8 if block_size == 128 or wide or rotary_gqa_fwd else 4,
     })
