@@ -3,6 +3,7 @@
 On the CPU the recorder is driven directly, with a stand-in for a kernel launch; on a GPU the public functions are
 called until their plans replay, and every replay is compared bitwise with the implementation run afresh."""
 
+import dataclasses
 import re
 import threading
 from pathlib import Path
@@ -74,6 +75,25 @@ def test_factories_and_views_replay_by_their_public_functions():
     assert not replayed[3].any() and not replayed[4].any() and not replayed[7].any()
     assert torch.equal(replayed[5], torch.full((2,), 3.5))
     assert replayed[8].data_ptr() == y.data_ptr() and torch.equal(replayed[8], y.view(4, 6))
+
+
+@dataclasses.dataclass
+class _Descriptor:
+    base: object
+    shape: list
+
+
+@dataclasses.dataclass(slots=True)
+class _SlottedDescriptor:
+    base: object
+    shape: list
+
+
+@pytest.mark.parametrize("cls", [_Descriptor, _SlottedDescriptor])
+def test_a_host_descriptor_is_cloned_on_a_new_base(cls):
+    recorded = cls(None, [4, 8])
+    clone = plans._on_base(recorded, "new base")
+    assert type(clone) is cls and clone.base == "new base" and clone.shape == [4, 8] and recorded.base is None
 
 
 def test_a_plan_passes_an_argument_given_twice_once_per_position():

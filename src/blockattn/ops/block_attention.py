@@ -119,13 +119,14 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     against 1.57x; 8 warps lost everywhere, by 15-75%. That loop is software-pipelined four deep (``GROUP_STAGES``:
     the next heads' q loads issued ahead), except for 16-bit inputs at D = 128 with up to four query heads per kv
     head and no rotary, where it lost or tied (H100: 4:2 1.07x against 0.99x, 8:2 1.02x against 1.01x; H200: 8:2
-    1.19x against 1.13x; with a rotary it won: 8:2 1.10x against 1.17x, 4:1 1.05x against 1.12x). At `ads` lengths, one stage -> four, H100 (2026-11-25, 04:29-04:39 UTC): fp8 8:1 at D = 128 1.20x ->
-    1.08x, 4:2 1.16x -> 1.07x, 8:1 at D = 64 1.36x -> 1.12x, 8:2 at D = 32 1.40x -> 1.27x; bf16 8:1 at D = 64 1.09x
-    -> 1.06x, 8:2 at D = 32 1.23x -> 1.06x; with a rotary and fp32 angles, bf16 8:1 at D = 128 1.18x -> 1.02x, fp8
-    1.43x -> 1.21x. H200 (04:46 UTC): fp8 8:1 at D = 128 1.40x -> 1.11x, at D = 64 1.67x -> 1.27x; bf16 8:1 at
-    D = 128 1.17x -> 1.14x, at D = 64 1.22x -> 1.06x; rotary bf16 8:1 at D = 128 1.46x -> 1.25x. Two stages lost
-    to one (bf16 8:1 1.17x against 1.03x on the H100), and so did four with in-block options (the causal mask and
-    the position bias at 4:1: 5.33 ms against 1.73), which keep one.
+    1.19x against 1.13x; with a rotary it won: 8:2 1.10x against 1.17x, 4:1 1.05x against 1.12x). At `ads` lengths,
+    one stage -> four, H100 (2026-11-25, 04:29-04:39 UTC): fp8 8:1 at D = 128 1.20x -> 1.08x, 4:2 1.16x -> 1.07x,
+    8:1 at D = 64 1.36x -> 1.12x, 8:2 at D = 32 1.40x -> 1.27x; bf16 8:1 at D = 64 1.09x -> 1.06x, 8:2 at D = 32
+    1.23x -> 1.06x; with a rotary and fp32 angles, bf16 8:1 at D = 128 1.18x -> 1.02x, fp8 1.43x -> 1.21x. H200
+    (04:46 UTC): fp8 8:1 at D = 128 1.40x -> 1.11x, at D = 64 1.67x -> 1.27x; bf16 8:1 at D = 128 1.17x -> 1.14x, at
+    D = 64 1.22x -> 1.06x; rotary bf16 8:1 at D = 128 1.46x -> 1.25x. Two stages lost to one (bf16 8:1 1.17x against
+    1.03x on the H100), and so did four with in-block options (the causal mask and the position bias at 4:1: 5.33 ms
+    against 1.73), which keep one.
 
     Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), slices wider than 64 x 128, or,
     at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2

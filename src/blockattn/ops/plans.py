@@ -21,6 +21,7 @@ for tensor subclasses. Plans are kept per function, for the :data:`MAX_PLANS` si
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from collections import OrderedDict
@@ -164,9 +165,13 @@ def _without_base(descriptor):
 
 def _on_base(descriptor, base):
     """A copy of the host descriptor (a dataclass) on another base, without its construction's checks (the base's
-    shape, strides, dtype and alignment are the recorded one's: the signature's). ``copy.copy`` took ~4 µs."""
-    clone = object.__new__(descriptor.__class__)
-    clone.__dict__.update(descriptor.__dict__)
+    shape, strides, dtype and alignment are the recorded one's: the signature's). ``copy.copy`` took ~4 µs; it
+    stays for a descriptor class without a ``__dict__``."""
+    if hasattr(descriptor, "__dict__"):
+        clone = object.__new__(descriptor.__class__)
+        clone.__dict__.update(descriptor.__dict__)
+    else:
+        clone = copy.copy(descriptor)
     clone.base = base
     return clone
 
