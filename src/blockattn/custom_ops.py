@@ -190,13 +190,17 @@ def _(offsets, block_cum, block_seq, timestamps, num_buckets, width, block_size)
     return timestamps.new_empty(timestamps.shape[0], block_size, dtype=in_block.bucket_dtype(num_buckets, block_size))
 
 
-def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save,
-                       input_grads) -> type[torch.autograd.Function]:
+def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save, input_grads,
+                       differentiable: tuple[int, ...]) -> type[torch.autograd.Function]:
     """Autograd of a forward op whose outputs are ``(out, *block_table, time_buckets)``, and the same as a
     ``torch.autograd.Function`` on the ops' implementations (the eager route, :func:`eager_route`), which it
     returns: ``fwd_impl`` returns ``(out, table, buckets)`` (the tables it built, or None), ``bwd_impl`` the
     backward op's outputs with None for absent biases' gradients. ``save(ctx, inputs, table, buckets)`` keeps what
-    ``input_grads(ctx, grad_out, backward)`` needs to call ``backward`` (the backward op, or its implementation)."""
+    ``input_grads(ctx, grad_out, backward)`` needs to call ``backward`` (the backward op, or its implementation).
+
+    The Function is applied as ``apply(inputs, *(inputs[i] for i in differentiable))``: the op's inputs as one
+    tuple, and apart the ones that may take a gradient (``differentiable``, the Function's attribute). The others
+    get none; ``autograd.Function.apply`` spends host time on every argument it is given (~20 here otherwise)."""
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(*output[1:])
         save(ctx, inputs, output[1:3], output[3])
@@ -204,14 +208,18 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save,
     fwd_op.register_autograd(lambda ctx, grad_out, *_table_grads: input_grads(ctx, grad_out, bwd_op),
                              setup_context=setup_context)
 
-    def forward(ctx, *inputs):
+    def forward(ctx, inputs, *differentiable_inputs):
         out, table, buckets = fwd_impl(*inputs)
         save(ctx, inputs, table, buckets)
         return out
 
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(forward),
-                 "backward": staticmethod(lambda ctx, grad_out: input_grads(ctx, grad_out, bwd_impl))})
+    def backward(ctx, grad_out):
+        grads = input_grads(ctx, grad_out, bwd_impl)
+        return None, *(grads[i] for i in differentiable)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward),
+                                                   "differentiable": differentiable})
 
 
 @planned
@@ -327,7 +335,7 @@ def _input_grads(ctx, grad_out, backward) -> tuple:
 
 _EagerBlockAttention = _register_autograd("EagerBlockAttention", block_attention_fwd, block_attention_bwd,
                                           _block_attention_forward, _block_attention_backward, _save_for_backward,
-                                          _input_grads)
+                                          _input_grads, differentiable=(0, 1, 2, 9, 11))  # q, k, v and the biases
 
 
 @planned
@@ -438,7 +446,7 @@ def _qkv_input_grads(ctx, grad_out, backward) -> tuple:
 _EagerQkvBlockAttention = _register_autograd("EagerQkvBlockAttention", qkv_block_attention_fwd,
                                              qkv_block_attention_bwd, _qkv_block_attention_forward,
                                              _qkv_block_attention_backward, _qkv_save_for_backward,
-                                             _qkv_input_grads)
+                                             _qkv_input_grads, differentiable=(0, 9, 11))  # qkv and the biases
 
 
 def eager_route(*tensors: torch.Tensor) -> bool:
@@ -461,7 +469,7 @@ def _attention(op, eager: type[torch.autograd.Function], forward, inputs: tuple)
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     if eager_route(*tensors):
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return eager.apply(*inputs)
+            return eager.apply(inputs, *(inputs[i] for i in eager.differentiable))
         # Nothing to differentiate (inference): the implementation itself, without the Function's bookkeeping.
         return forward(*inputs)[0]
     return op(*inputs)[0]
