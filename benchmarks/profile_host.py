@@ -1,8 +1,10 @@
 """Where the host time of one small eager call goes: the calls of ``bench --latency`` on one batch, the pieces
 they are made of (a torch op, an allocation, the block table, an empty autograd round trip), and optionally a
-cProfile of two of them, and the block table's time on the presets' batches.
+cProfile of two of them, the layers of a call with a layout each timed alone (``--layers``: the public function,
+the custom op's route, the planned implementation, its plan's replay and each replayed step, the plan's
+signature; empty Triton launches of 1 and 57 arguments), and the block table's time on the presets' batches.
 
-    python benchmarks/profile_host.py [--batch 1 500] [--profile] [--tables]
+    python benchmarks/profile_host.py [--batch 1 500] [--profile] [--layers] [--tables]
 
 Every call repeats one argument signature: from the third on, the attention calls replay their call plan
 (``blockattn/ops/plans.py``), as a model's layers do on one batch. To compare two versions of the code on one
@@ -24,8 +26,10 @@ import torch
 import triton
 
 import blockattn
+from blockattn import custom_ops
 from blockattn.bench.presets import PRESETS
 from blockattn.block_table import build_block_table
+from blockattn.ops import plans
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 4, 128, 64
 
@@ -85,10 +89,68 @@ def calls(num_seqs: int, length: int) -> dict:
     }
 
 
+@triton.jit
+def _empty_kernel(x):
+    pass
+
+
+@triton.jit
+def _empty_kernel_57(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, c0, c1, c2, c3,
+                     c4, c5, c6, c7, c8, c9, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, e0, e1, e2, e3, e4, e5, e6, e7,
+                     e8, e9, f0, f1, f2, f3, f4, f5, f6):
+    pass
+
+
+def _replayed_steps(name: str, fn, args: tuple) -> dict:
+    """``fn``'s plan for ``args`` (its third call records nothing new) as a whole, its signature and each step alone
+    (on the slots the steps before it filled)."""
+    for _ in range(3):
+        fn(*args)
+    plan = fn.plans[plans._signature(args)]
+    if isinstance(plan, plans.NoPlan):
+        raise RuntimeError(f"{name}: no plan ({plan})")
+    parts = {f"{name}: plan replay": lambda: plan(args), f"{name}: plan signature": lambda: plans._signature(args)}
+    slots = list(args)
+    for i, step in enumerate(plan.steps):
+        parts[f"{name}: step {i} alone"] = lambda step=step, before=list(slots): step(list(before))
+        step(slots)
+    return parts
+
+
+def layers(num_seqs: int, length: int) -> dict:
+    """The layers of a forward and a backward with a layout, outermost first (each includes the ones below)."""
+    n = num_seqs * length
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+                   for _ in range(4))
+    layout = blockattn.block_layout(torch.arange(0, n + 1, length, device="cuda"), n)
+    scale = HEAD_DIM**-0.5
+    # The forward op's inputs as the public function passes them (no options), and the backward op's.
+    inputs = (q, k, v, layout.offsets, None, BLOCK_SIZE, scale, 7, False, None, None, None, 0.301, 0.0, None,
+              *layout.table, None, None, None, None, None, None)
+    backward = (do, q, k, v, layout.offsets, None, *layout.table, BLOCK_SIZE, scale, 7, False, None, None, None,
+                0.301, 0.0, None, None)
+    one = _empty_kernel[(1,)](q)[(1, 1, 1)]
+    args_57 = [q] * 20 + [7] * 37
+    many = _empty_kernel_57[(1,)](*args_57)[(1, 1, 1)]
+    return {
+        "public fwd, layout": lambda: blockattn.block_attention(q, k, v, layout),
+        "custom op's route (custom_ops.block_attention)": lambda: custom_ops.block_attention(*inputs),
+        "planned forward implementation": lambda: custom_ops._block_attention_forward(*inputs),
+        **_replayed_steps("fwd", custom_ops._block_attention_forward, inputs),
+        "planned backward implementation": lambda: custom_ops._block_attention_backward(*backward),
+        **_replayed_steps("bwd", custom_ops._block_attention_backward, backward),
+        "empty Triton kernel, 1 argument (compiled runner)": lambda: one(q),
+        "empty Triton kernel, 57 arguments (compiled runner)": lambda: many(*args_57),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs=2, default=(1, 500), metavar=("SEQUENCES", "LENGTH"))
     parser.add_argument("--profile", action="store_true", help="cProfile the eager forward and fwd+bwd")
+    parser.add_argument("--layers", action="store_true",
+                        help="time the layers of a forward and a backward with a layout, and their plans' steps")
     parser.add_argument("--tables", action="store_true",
                         help="the block table's time on the ads, short and long presets' batches (triton's do_bench: "
                              "CUDA events around back-to-back calls, median)")
@@ -99,6 +161,10 @@ def main() -> None:
     for name, fn in fns.items():
         median, least = per_call_us(fn)
         print(f"{name:48s} median {median:8.1f}  min {least:8.1f} µs")
+    if args.layers:
+        for name, fn in layers(*args.batch).items():
+            median, least = per_call_us(fn)
+            print(f"{name:48s} median {median:8.1f}  min {least:8.1f} µs")
     if args.profile:
         for name in ("fwd, offsets", "fwd+bwd, layout"):
             profile = cProfile.Profile()
