@@ -200,7 +200,7 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save, inpu
 
     The Function is applied as ``apply(inputs, *(inputs[i] for i in differentiable))``: the op's inputs as one
     tuple, and apart the ones that may take a gradient (``differentiable``, the Function's attribute). The others
-    get none; ``autograd.Function.apply`` spends host time on every argument it is given (~20 here otherwise)."""
+    get none; ``autograd.Function.apply`` spends host time on every argument it is given (23 or 18 here otherwise)."""
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(*output[1:])
         save(ctx, inputs, output[1:3], output[3])
