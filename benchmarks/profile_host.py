@@ -60,13 +60,18 @@ class _Identity(torch.autograd.Function):
         return grad
 
 
-def calls(num_seqs: int, length: int) -> dict:
+def _batch(num_seqs: int, length: int) -> tuple:
+    """``(n, q, k, v, do, offsets, layout)`` of ``num_seqs`` sequences of ``length`` tokens (seeded)."""
     n = num_seqs * length
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
                    for _ in range(4))
     offsets = torch.arange(0, n + 1, length, device="cuda")
-    layout = blockattn.block_layout(offsets, n)
+    return n, q, k, v, do, offsets, blockattn.block_layout(offsets, n)
+
+
+def calls(num_seqs: int, length: int) -> dict:
+    n, q, k, v, do, offsets, layout = _batch(num_seqs, length)
     grads_of = [t.detach().requires_grad_() for t in (q, k, v)]
     out = blockattn.block_attention(*grads_of, layout)
     block_lengths = [min(BLOCK_SIZE, length - s) for s in range(0, length, BLOCK_SIZE)] * num_seqs
@@ -119,11 +124,7 @@ def _replayed_steps(name: str, fn, args: tuple) -> dict:
 
 def layers(num_seqs: int, length: int) -> dict:
     """The layers of a forward and a backward with a layout, outermost first (each includes the ones below)."""
-    n = num_seqs * length
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
-                   for _ in range(4))
-    layout = blockattn.block_layout(torch.arange(0, n + 1, length, device="cuda"), n)
+    _, q, k, v, do, _, layout = _batch(num_seqs, length)
     scale = HEAD_DIM**-0.5
     # The forward op's inputs as the public function passes them (no options), and the backward op's.
     inputs = (q, k, v, layout.offsets, None, BLOCK_SIZE, scale, 7, False, None, None, None, 0.301, 0.0, None,
