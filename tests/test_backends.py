@@ -76,16 +76,14 @@ def test_fp8_block_attention_needs_fp8_gpus(capability, gpu_capability):
     "changes,reason",
     [({"block_size": 128}, "64-token blocks"), ({"head_dim": 256}, "D in (32, 64, 128)"),
      ({"dtype": torch.float32}, "float16 and bfloat16"), ({"tma_rows": False}, "rows"),
-     ({"pass_name": "fwd"}, "no fwd kernel"), ({"heads": (4, 2), "in_block": 6}, "biases together without GQA"),
-     ({"heads": (4, 2), "head_dim": 64, "rotate": 7}, "no fused rotary at D = 64 with two query heads")],
+     ({"pass_name": "fwd"}, "no fwd kernel"), ({"heads": (4, 2), "in_block": 6}, "biases together without GQA")],
 )
 def test_hopper_backward_takes_only_its_shape(changes, reason, gpu_capability):
     gpu_capability((9, 0))
     for heads in ((4, 4), (4, 2), (8, 1)):
         for head_dim in (32, 64, 128):
             assert select(call(heads=heads, head_dim=head_dim)).name == "sm90-gluon"
-            if heads[0] != 2 * heads[1] or head_dim != 64:
-                assert select(call(heads=heads, head_dim=head_dim, rotate=7)).name == "sm90-gluon"
+            assert select(call(heads=heads, head_dim=head_dim, rotate=7)).name == "sm90-gluon"
         for options in (1, 2, 4, 8, 11, 13):  # causal, each bias, dropout, all but one bias
             assert select(call(heads=heads, head_dim=128, in_block=options)).name == "sm90-gluon"
         both_biases = call(heads=heads, head_dim=128, in_block=15)

@@ -268,8 +268,6 @@ def test_dispatcher_on_this_gpu():
 def test_sm90_backward_accuracy_contract(rotate, dtype, heads, head_dim, poisoned_outputs, monkeypatch):
     """The Hopper kernels (checked to run) on odd lengths, at each head dim they take, without and with GQA (odd
     and even groups), plain and with every rotate choice: the accuracy contract against float64."""
-    if rotate and head_dim == 64 and heads[0] == 2 * heads[1]:
-        pytest.skip("the dispatcher sends a rotary at D = 64 with two query heads per kv head to the Triton kernels")
     calls = []
     hopper = backends.BACKENDS["sm90-gluon"]
     monkeypatch.setitem(backends.BACKENDS, "sm90-gluon", dataclasses.replace(
@@ -287,15 +285,23 @@ def test_sm90_backward_accuracy_contract(rotate, dtype, heads, head_dim, poisone
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
-def test_sm90_backward_fp32_angles_and_packed_heads(poisoned_outputs):
-    """fp32 angles with bf16 tensors, and q, k, v, dO as strided views of wider rows (TMA reads them in place)."""
+@pytest.mark.parametrize("heads", [(3, 3), (6, 2)], ids=lambda h: f"{h[0]}:{h[1]}")
+@pytest.mark.parametrize("angles_layout", ["contiguous", "strided"])
+def test_sm90_backward_fp32_angles_and_packed_heads(angles_layout, heads, poisoned_outputs):
+    """fp32 angles with bf16 tensors, contiguous (loaded 16 bytes at a time) or every other column of a wider
+    tensor, and q, k, v, dO as strided views of wider rows (TMA reads them in place)."""
     lengths = random_lengths(5, 300, 64)
     offsets = make_offsets(lengths, "cuda")
     n = int(offsets[-1])
-    packed = torch.randn(n, 4 * 3 * 128 + 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    q, k, v, do = (packed[:, i * 384:(i + 1) * 384].view(n, 3, 128) for i in range(4))
+    hq, hkv = heads
+    widths = [hq * 128, hkv * 128, hkv * 128, hq * 128]
+    packed = torch.randn(n, sum(widths) + 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    q, k, v, do = (packed[:, sum(widths[:i]):sum(widths[:i + 1])].view(n, -1, 128) for i in range(4))
     do = do.detach()
     sinu_pos = random_angles(n, 128, torch.float32, "cuda")
+    if angles_layout == "strided":
+        sinu_pos = torch.stack([sinu_pos, torch.full_like(sinu_pos, float("nan"))], dim=-1).flatten(1)[:, ::2]
+        assert sinu_pos.stride() == (256, 2)
     call = AttentionCall.of("bwd", q, k, 64, ROTATE_ALL, tensors=(q, k, v, do), grads=(q, k, v))
     assert backends.select(call).name == "sm90-gluon"
     out = blockattn.block_attention(q, k, v, offsets, sinu_pos=sinu_pos)

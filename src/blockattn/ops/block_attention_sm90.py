@@ -6,8 +6,13 @@ issues four bulk copies into shared memory and nothing is staged in registers, s
 flight at once, while the angles load beside them. The rotated operands are then turned in place (rows past the
 block's end zeroed: TMA fetched the next block's rows there), and the five products read whole rows straight from
 those tiles (``wgmma``): pairs stay interleaved, since a product over the head dim does not care about the order of
-its terms. The gradients are turned back in fp32 in the products' own layout, where each thread holds both halves
-of its pairs, staged in the tiles that are no longer read, and stored 16 bytes per thread.
+its terms. The gradients are staged in the tiles that are no longer read and stored 16 bytes per thread; a rotated
+operand's gradient is staged in fp32 and turned back on the way out.
+
+The rotary turns tiles in a layout of rows where each thread holds 4 whole pairs (``_rows_layout``), so that a
+thread loads its pairs' angles 16 bytes at a time. In the products' layout each pair's angle was a load of its own,
+8 cache lines a warp: those loads set the rotary backward's time (H100, `ads` lengths, fp32 angles: with constant
+angles in their place it ran as fast as the plain kernel).
 
 Under GQA, one program per (block, kv head): k and v land and turn once, the group's query heads run in turn with
 the next head's q and dO landing in a second buffer, and dk and dv accumulate in registers across the group.
@@ -93,18 +98,53 @@ def _unpairs(even, odd):
     return gl.reshape(joined, [joined.shape[0], joined.shape[1] * 2])
 
 
+@gluon.constexpr_function
+def _rows_layout(width):
+    """``[rows, width]`` tiles with 8 consecutive elements a thread (one 16-byte access at 16 bits, two at fp32),
+    the rest of a warp and the 4 warps over the rows: where the rotary turns a tile."""
+    return gl.BlockedLayout([1, 8], [32 * 8 // width, width // 8], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _pair_layout(width):
+    """The pair halves (:func:`_pairs`) of a :func:`_rows_layout` tile: 4 consecutive pairs a thread, whose angles
+    load 16 bytes at a time (in the products' layout each pair's angle was a load of its own, 8 cache lines a warp:
+    those loads set the rotary kernels' time)."""
+    return gl.SliceLayout(2, gl.BlockedLayout([1, 4, 2], [32 * 8 // width, width // 8, 1], [4, 1, 1], [2, 1, 0]))
+
+
 @gluon.jit
-def _prepare_tile(tile, sin, cos, row_ok, layout: gl.constexpr, ROTATE: gl.constexpr, partial):
-    """Rotate a landed tile in place when ``ROTATE`` (in fp32, rounded back as an unfused rotary would have stored
-    it); either way rows past the block's end become zeros, so that the next block's rows add nothing, not even a
-    NaN."""
+def _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK: gl.constexpr, WIDTH: gl.constexpr,
+            COL0: gl.constexpr, HALF_D: gl.constexpr, ROTATE: gl.constexpr):
+    """``(sin, cos, row_ok)``: the angles in fp32 of the block's rows and the pairs of head-dim columns ``[COL0,
+    COL0 + WIDTH)`` in :func:`_pair_layout` (zeros past the block's end), and which rows are the block's. Without
+    ``ROTATE`` no angle is loaded: ``sin`` and ``cos`` are stand-ins, never read (a function cannot return
+    None)."""
+    layout: gl.constexpr = _pair_layout(WIDTH)
+    rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    row_ok = (rows < length)[:, None]
+    if ROTATE != 0:
+        cols = COL0 // 2 + gl.arange(0, WIDTH // 2, layout=gl.SliceLayout(0, layout))
+        ptrs = sinu_ptr + (start + rows)[:, None] * stride_sn + cols[None, :] * stride_sd
+        sin = gl.load(ptrs, mask=row_ok, other=0.0).to(gl.float32)
+        cos = gl.load(ptrs + HALF_D * stride_sd, mask=row_ok, other=0.0).to(gl.float32)
+    else:
+        sin = gl.zeros([BLOCK, WIDTH // 2], gl.float32, layout)
+        cos = sin
+    return sin, cos, row_ok
+
+
+@gluon.jit
+def _prepare_tile(tile, sin, cos, row_ok, ROTATE: gl.constexpr, partial):
+    """Rotate a landed tile in place by the angles of its columns (:func:`_angles`) when ``ROTATE`` (in fp32,
+    rounded back as an unfused rotary would have stored it); either way rows past the block's end become zeros,
+    so that the next block's rows add nothing, not even a NaN."""
+    layout: gl.constexpr = _rows_layout(tile.shape[1])
     if ROTATE:
         x = tile.load(layout)
         even, odd = _pairs(x)
         even = even.to(gl.float32)
         odd = odd.to(gl.float32)
-        sin = sin.to(gl.float32)
-        cos = cos.to(gl.float32)
         turned_even = gl.where(row_ok, even * cos - odd * sin, 0.0).to(x.dtype)
         turned_odd = gl.where(row_ok, odd * cos + even * sin, 0.0).to(x.dtype)
         tile.store(_unpairs(turned_even, turned_odd))
@@ -115,44 +155,22 @@ def _prepare_tile(tile, sin, cos, row_ok, layout: gl.constexpr, ROTATE: gl.const
 
 
 @gluon.jit
-def _store_gradient(acc, stage, base, stride_n, length, sin, cos, ROTATE: gl.constexpr):
-    """Store a gradient tile, turned back (``sin -> -sin``, fp32) when ``ROTATE``: through ``stage`` (a tile no
-    longer read) so that each thread writes 16 contiguous bytes; rows past the block's end are not written."""
-    dtype: gl.constexpr = base.dtype.element_ty
-    WIDTH: gl.constexpr = acc.shape[1]
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // WIDTH, WIDTH // 8], [4, 1], [1, 0])
+def _store_gradient(acc, stage, stage32, base, stride_n, length, sin, cos, ROTATE: gl.constexpr):
+    """Store a gradient tile so that each thread writes 16 contiguous bytes, rows past the block's end not
+    written: through ``stage`` (a tile of the inputs' dtype no longer read), or, for a rotated operand
+    (``ROTATE``), turned back in fp32 by its columns' angles (``sin -> -sin``) after staging it as it is in
+    ``stage32`` (fp32 shared memory no longer read)."""
+    layout: gl.constexpr = _rows_layout(acc.shape[1])
     if ROTATE:
-        even, odd = _pairs(acc)
-        sin = sin.to(gl.float32)
-        cos = cos.to(gl.float32)
-        stage.store(_unpairs(even * cos + odd * sin, odd * cos - even * sin).to(dtype))
+        stage32.store(acc)
+        even, odd = _pairs(stage32.load(layout))
+        tile = _unpairs(even * cos + odd * sin, odd * cos - even * sin).to(base.dtype.element_ty)
     else:
-        stage.store(acc.to(dtype))
-    tile = stage.load(out_layout)
-    rows = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, out_layout))
-    cols = gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, out_layout))
+        stage.store(acc.to(base.dtype.element_ty))
+        tile = stage.load(layout)
+    rows = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, layout))
     gl.store(base + rows.to(gl.int64)[:, None] * stride_n + cols[None, :], tile, mask=(rows < length)[:, None])
-
-
-@gluon.jit
-def _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK: gl.constexpr, WIDTH: gl.constexpr,
-                 COL0: gl.constexpr, HALF_D: gl.constexpr, layout: gl.constexpr, ROTATE: gl.constexpr):
-    """``(sin, cos, row_ok)`` of the pairs of head-dim columns ``[COL0, COL0 + WIDTH)``, in the pair halves of
-    ``layout`` (a product's accumulator layout, which the operands are loaded in too); without a rotary ``sin`` and
-    ``cos`` are stand-ins, never read (a function cannot return None)."""
-    rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
-    pair_rows, _ = _pairs(gl.zeros([BLOCK, WIDTH], gl.int32, layout) + rows[:, None])
-    row_ok = pair_rows < length
-    if ROTATE != 0:
-        cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-        pair_cols, _ = _pairs(gl.zeros([BLOCK, WIDTH], gl.int32, layout) + ((COL0 + cols) // 2)[None, :])
-        angle_ptrs = sinu_ptr + (start + pair_rows) * stride_sn + pair_cols * stride_sd
-        sin = gl.load(angle_ptrs, mask=row_ok, other=0.0)
-        cos = gl.load(angle_ptrs + HALF_D * stride_sd, mask=row_ok, other=0.0)
-    else:
-        sin = pair_rows
-        cos = pair_rows
-    return sin, cos, row_ok
 
 
 @gluon.jit
@@ -345,16 +363,18 @@ def _block_attention_bwd_sm90_kernel(
         tma_load(do_desc, [row, col], landed, do)
 
         # The angles turn the operands and the gradients; loaded while the tiles land.
-        sin, cos, row_ok = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, D, 0, D // 2,
-                                        grad_layout, ROTATE)
+        sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, D, 0, D // 2, ROTATE)
         partial = length < BLOCK
         mbarrier.wait(landed, 0)
         mbarrier.invalidate(landed)
-        _prepare_tile(q, sin, cos, row_ok, grad_layout, ROTATE_Q & ROTATE, partial)
-        _prepare_tile(k, sin, cos, row_ok, grad_layout, ROTATE_K & ROTATE, partial)
-        _prepare_tile(v, sin, cos, row_ok, grad_layout, ROTATE_V & ROTATE, partial)
-        _prepare_tile(do, sin, cos, row_ok, grad_layout, 0, partial)
+        _prepare_tile(q, sin, cos, row_ok, ROTATE_Q & ROTATE, partial)
+        _prepare_tile(k, sin, cos, row_ok, ROTATE_K & ROTATE, partial)
+        _prepare_tile(v, sin, cos, row_ok, ROTATE_V & ROTATE, partial)
+        _prepare_tile(do, sin, cos, row_ok, 0, partial)
         fence_async_shared()
+        # A rotated operand's gradient is staged in fp32 where v and dO were (both read by then).
+        stage32 = tiles._reinterpret(gl.float32, [2, BLOCK, D],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float32)).index(1)
 
         p, ds, ds32 = _probs_and_grads(q, k, v, do, start, length, head, pid, scale, qk_scale_log2, mods, dpos_ptr,
                                        dtime_ptr, scores_layout, IN_BLOCK, 0)
@@ -365,13 +385,13 @@ def _block_attention_bwd_sm90_kernel(
         dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
         probs.store(ds)
         fence_async_shared()
-        _store_gradient(dv, do, dv_ptr + start * stride_dvn + col, stride_dvn, length, sin, cos, ROTATE_V & ROTATE)
+        _store_gradient(dv, do, stage32, dv_ptr + start * stride_dvn + col, stride_dvn, length, sin, cos, ROTATE_V & ROTATE)
         dk = warpgroup_mma(probs.permute((1, 0)), q, zeros, use_acc=False, is_async=True)
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
-        _store_gradient(dk, v, dk_ptr + start * stride_dkn + col, stride_dkn, length, sin, cos, ROTATE_K & ROTATE)
+        _store_gradient(dk, v, stage32, dk_ptr + start * stride_dkn + col, stride_dkn, length, sin, cos, ROTATE_K & ROTATE)
         dq = warpgroup_mma(probs, k, zeros, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        _store_gradient(dq, q, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos, ROTATE_Q & ROTATE)
+        _store_gradient(dq, q, stage32, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos, ROTATE_Q & ROTATE)
         if (POS_BIAS | TIME_BIAS) & IN_BLOCK:
             offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
             offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
@@ -453,14 +473,19 @@ def _block_attention_bwd_sm90_gqa_kernel(
         tma_load(v_desc, [row, kv_head * D], landed.index(2), v)
         _load_head(q_desc, do_desc, row, kv_head * GROUP * D, heads, 0, landed)
 
-        kv_rotate: gl.constexpr = ROTATE & (ROTATE_K | ROTATE_V)
         partial = length < BLOCK
-        mbarrier.wait(landed.index(2), 0)
+        kv_rotate: gl.constexpr = ROTATE & (ROTATE_K | ROTATE_V)
         for c in gl.static_range(PARTS):
-            sin, cos, row_ok = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
-                                            part_layout, kv_rotate)
-            _prepare_tile(k.slice(c * W, W, dim=1), sin, cos, row_ok, part_layout, ROTATE_K & ROTATE, partial)
-            _prepare_tile(v.slice(c * W, W, dim=1), sin, cos, row_ok, part_layout, ROTATE_V & ROTATE, partial)
+            sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
+                                       kv_rotate)
+            if c == 0:  # the first angles load while k and v land
+                mbarrier.wait(landed.index(2), 0)
+            _prepare_tile(k.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_K & ROTATE, partial)
+            _prepare_tile(v.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_V & ROTATE, partial)
+        # A rotated operand's gradient is staged in fp32 where a buffer's q and dO were (both read by then): part c
+        # of buffer b at index b * PARTS + c.
+        stage32 = heads._reinterpret(gl.float32, [2 * PARTS, BLOCK, W],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK, W], gl.float32))
 
         dk0 = gl.zeros([BLOCK, W], gl.float32, part_layout)
         dk1 = gl.zeros([BLOCK, W], gl.float32, part_layout)
@@ -477,13 +502,13 @@ def _block_attention_bwd_sm90_gqa_kernel(
                 _load_head(q_desc, do_desc, row, head_col + D, heads, 1 - buf, landed)
             q = heads.index(2 * buf)
             do = heads.index(2 * buf + 1)
-            mbarrier.wait(landed.index(buf), (g // 2) & 1)
             for c in gl.static_range(PARTS):
-                q_sin, q_cos, q_row_ok = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W,
-                                                      D // 2, part_layout, ROTATE & ROTATE_Q)
-                _prepare_tile(q.slice(c * W, W, dim=1), q_sin, q_cos, q_row_ok, part_layout, ROTATE_Q & ROTATE,
-                              partial)
-                _prepare_tile(do.slice(c * W, W, dim=1), q_sin, q_cos, q_row_ok, part_layout, 0, partial)
+                sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
+                                           ROTATE & ROTATE_Q)
+                if c == 0:  # the first angles load while q and dO land
+                    mbarrier.wait(landed.index(buf), (g // 2) & 1)
+                _prepare_tile(q.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_Q & ROTATE, partial)
+                _prepare_tile(do.slice(c * W, W, dim=1), sin, cos, row_ok, 0, partial)
             fence_async_shared()
 
             head = kv_head * GROUP + g
@@ -499,11 +524,12 @@ def _block_attention_bwd_sm90_gqa_kernel(
             for c in gl.static_range(PARTS):
                 dq = warpgroup_mma(probs, k.slice(c * W, W, dim=1), gl.zeros([BLOCK, W], gl.float32, part_layout),
                                    use_acc=False, is_async=True)
+                sin, cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
+                                      ROTATE & ROTATE_Q)  # while the product runs
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                dq_sin, dq_cos, _ = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W,
-                                                 D // 2, part_layout, ROTATE & ROTATE_Q)
-                _store_gradient(dq, q.slice(c * W, W, dim=1), dq_ptr + start * stride_dqn + head_col + c * W,
-                                stride_dqn, length, dq_sin, dq_cos, ROTATE_Q & ROTATE)
+                _store_gradient(dq, q.slice(c * W, W, dim=1), stage32.index(buf * PARTS + c),
+                                dq_ptr + start * stride_dqn + head_col + c * W, stride_dqn, length, sin, cos,
+                                ROTATE_Q & ROTATE)
         for i in gl.static_range(3):
             mbarrier.invalidate(landed.index(i))
         for c in gl.static_range(PARTS):
@@ -511,29 +537,27 @@ def _block_attention_bwd_sm90_gqa_kernel(
                 dv_part, dk_part = dv0, dk0
             else:
                 dv_part, dk_part = dv1, dk1
-            sin, cos, _ = _pair_angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
-                                       part_layout, kv_rotate)
-            _store_gradient(dv_part, v.slice(c * W, W, dim=1), dv_ptr + start * stride_dvn + kv_head * D + c * W,
-                            stride_dvn, length, sin, cos, ROTATE_V & ROTATE)
-            _store_gradient(dk_part, k.slice(c * W, W, dim=1), dk_ptr + start * stride_dkn + kv_head * D + c * W,
-                            stride_dkn, length, sin, cos, ROTATE_K & ROTATE)
+            sin, cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2, kv_rotate)
+            _store_gradient(dv_part, v.slice(c * W, W, dim=1), stage32.index(c),
+                            dv_ptr + start * stride_dvn + kv_head * D + c * W, stride_dvn, length, sin, cos,
+                            ROTATE_V & ROTATE)
+            _store_gradient(dk_part, k.slice(c * W, W, dim=1), stage32.index(PARTS + c),
+                            dk_ptr + start * stride_dkn + kv_head * D + c * W, stride_dkn, length, sin, cos,
+                            ROTATE_K & ROTATE)
 
 
 def why_not(call) -> str | None:
     """Why these kernels do not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: they take
     64-token blocks at D = 32, 64 or 128, with or without GQA, 16-bit inputs that TMA can read and gradients laid
-    out as ``[N, H * D]`` rows, with or without a rotary, with or without the in-block options. A rotary
-    at D = 64 with two query heads per kv head stays with the Triton kernels: 1.69x and 1.76x the floor there
-    against 1.81x and 1.84x here (4:2 and 8:4, H100, `ads` lengths, fp32 angles). So do both biases together
-    under GQA, where the group's accumulators and the biases' gradients spill registers: 40.6 ms against 34.6 with
-    a causal mask (8 query heads on 2 kv heads, D = 128, `ads` lengths, H100)."""
+    out as ``[N, H * D]`` rows, with or without a rotary, with or without the in-block options. Both biases
+    together under GQA stay with the Triton kernels: there the group's accumulators and the biases' gradients spill
+    registers, 40.6 ms against 34.6 with a causal mask (8 query heads on 2 kv heads, D = 128, `ads` lengths,
+    H100)."""
     both_biases = POS_BIAS.value | TIME_BIAS.value
     if call.num_heads != call.num_kv_heads and call.in_block & both_biases == both_biases:
         return "takes the position and time biases together without GQA only (the Triton kernels are faster)"
     if call.block_size != _BLOCK_SIZE or call.head_dim not in _HEAD_DIMS:
         return f"takes {_BLOCK_SIZE}-token blocks at D in {_HEAD_DIMS} only"
-    if call.rotate and call.head_dim == 64 and call.num_heads == 2 * call.num_kv_heads:
-        return "takes no fused rotary at D = 64 with two query heads per kv head (the Triton kernels are faster)"
     if call.dtype not in _GL_DTYPES:
         return "takes float16 and bfloat16 only"
     if not call.tma_rows:
