@@ -6,6 +6,7 @@ import torch
 from blockattn import backends, devices
 from blockattn.backends import BACKENDS, FLASH_BACKENDS, AttentionCall, FlashCall, select
 from blockattn.ops import flash_attention as flash_ops
+from blockattn.ops.in_block import InBlock
 
 
 def call(pass_name="bwd", device="cuda", dtype=torch.bfloat16, heads=(4, 4), head_dim=128, block_size=64, rotate=0,
@@ -91,6 +92,25 @@ def test_hopper_backward_takes_only_its_shape(changes, reason, gpu_capability):
     other = call(**changes)
     assert reason in BACKENDS["sm90-gluon"].takes(other)
     assert select(other).name == "triton"
+
+
+@pytest.mark.skipif(backends.sm90_ops is None, reason="this triton has no Gluon Hopper API")
+@pytest.mark.parametrize("options,rotate,gqa,head_dim,capped", [
+    ({"pos_bias": True, "time_bias": True}, 0, False, 128, True),  # both biases without GQA
+    ({"pos_bias": True, "time_bias": True, "dropout_p": 0.1}, 0, False, 128, False),
+    ({"pos_bias": True, "time_bias": True}, 7, False, 128, False),
+    ({"time_bias": True}, 0, False, 128, False),
+    ({}, 0, True, 64, True), ({}, 7, True, 64, True),  # GQA at D = 64, plain or rotary
+    ({"causal": True}, 0, True, 64, False), ({}, 0, True, 32, False), ({}, 0, True, 128, False),
+    ({}, 0, False, 64, False)])
+def test_hopper_backward_register_cap_only_where_it_measured_faster(options, rotate, gqa, head_dim, capped):
+    """The Hopper backward's cap of 168 registers (three programs an SM): both biases together without GQA, a
+    rotary or dropout; GQA at D = 64 without options. Elsewhere it measured slower or changes nothing."""
+    tensor = torch.zeros(4, 8)
+    opts = InBlock(**{name: tensor if name.endswith("bias") else value
+                       for name, value in options.items()})
+    expected = {"maxnreg": 168} if capped else {}
+    assert backends.sm90_ops._backward_register_cap(opts, rotate, gqa, head_dim) == expected
 
 
 def test_every_backend_says_what_it_is():

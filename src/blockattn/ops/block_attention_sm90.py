@@ -582,13 +582,24 @@ def _time_bins(options: InBlock, head_dim: int) -> int:
     return min(head_dim, max(32, 1 << (width - 1).bit_length()))
 
 
-def _backward_register_cap(options: InBlock, rotate: int, gqa: bool) -> dict:
-    """168 registers a thread (three programs an SM, as the tiles' shared memory allows) for both biases together,
-    without GQA, a rotary or dropout: at `ads` on an H100 causal + both biases 5.16-5.17 ms uncapped (216
-    registers), 4.64 capped (28 bytes spill). The time bias alone loses capped (4.67 against 4.48 ms); the position
-    bias alone takes 168 anyway; with dropout or a rotary shared memory or spills hold the kernel to two."""
+def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, head_dim: int) -> dict:
+    """168 registers a thread, three programs an SM where the tiles' shared memory allows it, in two cases (`ads`
+    lengths):
+
+    - both biases together, without GQA, a rotary or dropout: causal + both biases 5.16-5.17 ms uncapped (216
+      registers), 4.64 capped (28 bytes spill) on an H100. The time bias alone loses capped (4.67 against 4.48 ms);
+      the position bias alone takes 168 anyway; with dropout or a rotary shared memory or spills hold the kernel to
+      two;
+    - GQA at D = 64 without in-block options (216-220 registers uncapped, 20-60 bytes spill capped): on an H200
+      1.35-1.40x the floor -> 1.19-1.31x, with a rotary 1.89-1.98x -> 1.72-1.95x; on an H100 a tie or better
+      (1.07-1.11x -> 1.06-1.08x; rotary 1.34-1.41x -> 1.29-1.42x). At D = 32 the kernel takes 168 uncapped, at
+      D = 128 its shared memory holds it to two programs."""
     both = options.pos_bias is not None and options.time_bias is not None
-    return {"maxnreg": 168} if both and options.dropout_p == 0 and not rotate and not gqa else {}
+    if both and options.dropout_p == 0 and not rotate and not gqa:
+        return {"maxnreg": 168}
+    if gqa and head_dim == 64 and options.bits == 0:
+        return {"maxnreg": 168}
+    return {}
 
 
 def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -620,6 +631,6 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
         stride_sn=stride_sn, stride_sd=stride_sd, dpos_ptr=partials[0], dtime_ptr=partials[1],
         **in_block.call_args(options, q, offsets, table, block_size), **heads, ROTATE=rotate, num_warps=4,
-        **_backward_register_cap(options, rotate, h != kv_heads),
+        **_backward_register_cap(options, rotate, h != kv_heads, d),
     )
     return in_block.summed_bias_grads(options, partials)
