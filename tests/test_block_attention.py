@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import blockattn
 from blockattn.block_table import build_block_table, kernel_table, max_blocks
 from blockattn.ops import block_attention as triton_ops
+from blockattn.ops import in_block
 from blockattn.ops.in_block import PLAIN
 from blockattn.ops.tiles import ROTATE_ALL
 from blockattn.reference import block_attention_reference
@@ -169,11 +170,51 @@ def test_forward_heads_per_program_override(dtype):
     torch.testing.assert_close(forward(sinu_pos=angles, rotate=ROTATE_ALL, heads_per_program=2),
                                forward(sinu_pos=angles, rotate=ROTATE_ALL))
     for bad in (3, 4):
-        with pytest.raises(ValueError, match="heads_per_program must be 1, or the GQA group"):
+        with pytest.raises(ValueError, match="heads_per_program must be 1, or where one head-dim slice"):
             forward(heads_per_program=bad)
+    # Without GQA, with a rotary: any divisor of the heads, each with its own k and v, on angles read once.
+    mha = random_inputs(odd_lengths(16), 4, 4, 64, dtype, KERNEL_DEVICE)
+    q, k, v, _, offsets = mha
+    table = build_block_table(offsets, q.shape[0], 16)
+
+    def mha_forward(**override):
+        return triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 16, 0.125, angles, ROTATE_ALL,
+                                                     **override)
+    for heads in (2, 4):
+        torch.testing.assert_close(mha_forward(heads_per_program=heads, group_stages=2), mha_forward())
+    with pytest.raises(ValueError, match="a divisor of the 4 heads, got 3"):
+        mha_forward(heads_per_program=3)
+    with pytest.raises(ValueError, match="heads_per_program"):  # without a rotary: not taken
+        triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 16, 0.125, None, 0, heads_per_program=2)
     assert triton_ops.kernel_config(128, 128, backward=False, group=2)["NUM_CHUNKS"] > 1
     with pytest.raises(ValueError, match="heads_per_program"):
         forward(head_dim=128, block_size=128, heads_per_program=2)
+
+
+def test_forward_heads_per_program_with_fp32_angles_without_gqa():
+    """Without GQA, a rotary fed fp32 angles (16-bit inputs, 64-token blocks, D = 128, no option) runs up to 4
+    query heads a program, two stages deep (measured faster on an H100 and an H200); elsewhere one. The rule's
+    launch gives the output of one head a program."""
+    def rule(**changes):
+        args = {"rotary": True, "fp32_angles": True, "num_heads": 8, "element_size": 2, "in_block_bits": 0,
+                "head_dim": 128, "block_size": 64} | changes
+        cfg = triton_ops.kernel_config(args.pop("block_size"), args.pop("head_dim"), backward=False, **args)
+        return cfg["HEADS_PER_PROGRAM"], cfg["GROUP_STAGES"]
+    assert rule() == (4, 2) and rule(num_heads=12) == (4, 2)
+    assert rule(num_heads=3) == (3, 2) and rule(num_heads=6) == (3, 2) and rule(num_heads=2) == (2, 2)
+    assert rule(num_heads=5) == (1, 1) and rule(num_heads=1) == (1, 1)
+    for other in ({"fp32_angles": False}, {"head_dim": 64}, {"block_size": 32}, {"element_size": 1},
+                  {"element_size": 4}, {"in_block_bits": in_block.CAUSAL.value}, {"rotary": False}):
+        assert rule(**other) == (1, 1), other
+
+    q, k, v, _, offsets = random_inputs([70, 1, 130], 4, 4, 128, torch.float16, KERNEL_DEVICE)
+    table = build_block_table(offsets, q.shape[0], 64)
+    angles = random_angles(q.shape[0], 128, torch.float32, KERNEL_DEVICE)
+
+    def forward(**override):
+        return triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 64, 0.125, angles, ROTATE_ALL,
+                                                     **override)
+    torch.testing.assert_close(forward(), forward(heads_per_program=1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

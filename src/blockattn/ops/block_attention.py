@@ -79,7 +79,8 @@ def min_chunk(rotary: bool) -> int:
 
 @functools.cache  # read-only: one mapping per shape, computed once (launches are host-bound on small batches)
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
-                  rotary: bool = False, persistent: bool = True, in_block_bits: int = 0) -> MappingProxyType:
+                  rotary: bool = False, persistent: bool = True, in_block_bits: int = 0, num_heads: int = 1,
+                  fp32_angles: bool = False) -> MappingProxyType:
     """Compile-time shape and launch of a kernel, by a rule measured on an H100 (the 4-warp default and the MHA
     persistent kernel also on an H200; docs/benchmarks.md).
 
@@ -128,6 +129,15 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     1.03x on the H100), and so did four with in-block options (the causal mask and the position bias at 4:1: 5.33 ms
     against 1.73), which keep one.
 
+    Without GQA, a forward with a fused rotary fed fp32 angles (16-bit inputs, 64-token blocks, D = 128, no in-block
+    option) runs up to 4 query heads a program (the largest divisor of ``num_heads`` up to 4), each on its own k and
+    v, on the block's angles read once, its loop two stages deep: every program re-read the block's 32 KiB of angles
+    from L2, half again the bytes of its q, k, v and output tiles. At `ads` lengths (2026-11-25), one head a program
+    against four, two stages: H100 8 heads 1.10x -> 1.02x the floor, 4 heads 1.08x -> 1.01x, 3 heads (3 a program)
+    1.07x -> 1.02x; H200 8 heads 1.34x -> 1.19x, 4 heads 1.30x -> 1.15x. With bf16 angles it tied on the H100 (0.99x
+    -> 1.00x) and lost on the H200 (1.10x -> 1.18x); at D = 64 it tied or lost (H100 1.00x -> 1.02x, H200 1.17x ->
+    1.19x); three stages lost everywhere (H100 8 heads 1.11x).
+
     Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), slices wider than 64 x 128, or,
     at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2
     and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit
@@ -157,6 +167,10 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     chunk = min(block_d, max(min_width, max_slice // block_size))
     wide = block_size * chunk > 64 * 128 or (backward and group > 1 and block_size == 64 and chunk >= 128)
     heads_per_program = group if not backward and block_size == 64 and chunk >= block_d else 1
+    mha_rotary_heads = (not backward and rotary and fp32_angles and group == 1 and element_size == 2
+                        and block_size == 64 and block_d == 128 and chunk >= block_d and not in_block_bits)
+    if mha_rotary_heads:
+        heads_per_program = max(h for h in (1, 2, 3, 4) if num_heads % h == 0)
     rotary_gqa_fwd = (not backward and rotary and group > 1 and element_size == 2 and block_size == 64
                       and block_d >= 128 and heads_per_program == 1)
     return MappingProxyType({
@@ -166,6 +180,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
         "GROUP_STAGES": ((2 if group > 1 and not rotary else 1) if backward
+                         else 2 if mha_rotary_heads and heads_per_program > 1
                          else 4 if heads_per_program > 1 and not in_block_bits
                          and not (element_size == 2 and group <= 4 and block_d == 128 and not rotary) else 1),
         "HEADS_PER_PROGRAM": heads_per_program,
@@ -237,25 +252,32 @@ def _pair_dot(a_even, a_odd, b_even, b_odd, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows, row_ok, head_dim, qk_scale_log2,
-                      out_factor, stride_qn, stride_qh, stride_kn, stride_vn, stride_on, stride_oh, stride_sn,
-                      stride_sd, mods, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-                      EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr,
-                      INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr, HEADS: tl.constexpr,
-                      GROUP_STAGES: tl.constexpr):
+                      out_factor, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on,
+                      stride_oh, stride_sn, stride_sd, mods, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+                      NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr,
+                      HEADS: tl.constexpr, SHARED_KV: tl.constexpr, GROUP_STAGES: tl.constexpr):
     """The forward of one (block, head) on pair halves, the operands named by ROTATE turned after loading (fp8
     inputs: in fp16, ``out_factor`` their output's descale); with ``HEADS`` > 1 (one slice), of query heads
-    ``head ...`` on k and v read and turned once."""
+    ``head ...`` on the block's angles read once, and on k and v read and turned once where they share them
+    (``SHARED_KV``: GQA), else each on its own."""
     PAIRS: tl.constexpr = CHUNK // 2
     elem_ty: tl.constexpr = q_ptr.dtype.element_ty
     half = head_dim // 2
     if HEADS > 1:
         mask = tile_mask(row_ok, 0, half, PAIRS, EVEN_D)
         sin, cos = load_angles(sinu_ptr, rows, 0, half, stride_sn, stride_sd, mask, PAIRS)
-        k_even, k_odd = _operand_halves(load_words(k_base, rows, 0, stride_kn, mask, PAIRS), sin, cos,
-                                        ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
-        v_even, v_odd = _operand_halves(load_words(v_base, rows, 0, stride_vn, mask, PAIRS), sin, cos,
-                                        ROTATE_V & ROTATE, elem_ty, False)
+        if SHARED_KV:
+            k_even, k_odd = _operand_halves(load_words(k_base, rows, 0, stride_kn, mask, PAIRS), sin, cos,
+                                            ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
+            v_even, v_odd = _operand_halves(load_words(v_base, rows, 0, stride_vn, mask, PAIRS), sin, cos,
+                                            ROTATE_V & ROTATE, elem_ty, False)
         for g in tl.range(HEADS, num_stages=GROUP_STAGES):
+            if not SHARED_KV:
+                k_even, k_odd = _operand_halves(load_words(k_base + g * stride_kh, rows, 0, stride_kn, mask, PAIRS),
+                                                sin, cos, ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
+                v_even, v_odd = _operand_halves(load_words(v_base + g * stride_vh, rows, 0, stride_vn, mask, PAIRS),
+                                                sin, cos, ROTATE_V & ROTATE, elem_ty, False)
             q_words = load_words(q_ptr + (head + g) * stride_qh, rows, 0, stride_qn, mask, PAIRS)
             q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE_Q & ROTATE, elem_ty, INLINE_ASM)
             scores = _pair_dot(q_even, q_odd, k_even, k_odd, tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32),
@@ -346,8 +368,9 @@ def _block_attention_fwd_kernel(
     # FP8: q, k, v are float8_e4m3fn, widened to fp16 after loading, and descaled (ops.fp8). FP8_QK: q k^T on fp8
     # tensor cores instead (no widening; slices 32+ wide): 1.28x its floor against 1.42x widened at `ads` with GQA
     # 4:1 (H100). Hopper sums fp8 products with fewer bits than fp32, within the tested SNR bounds.
-    # HEADS_PER_PROGRAM > 1 (GQA, one head-dim slice): a program runs the query heads of one kv head in turn, on the
-    # k and v tiles it loaded (and turned) once (_fwd_group; with a rotary _fwd_rotary_block).
+    # HEADS_PER_PROGRAM > 1 (one head-dim slice): a program runs the query heads of one kv head in turn, on the k
+    # and v tiles it loaded (and turned) once (_fwd_group; with a rotary _fwd_rotary_block), or without GQA, with a
+    # rotary, consecutive heads on the angles it loaded once (_fwd_rotary_block).
     PROGRAMS_PER_BLOCK: tl.constexpr = NUM_Q_HEADS // HEADS_PER_PROGRAM
     pid = tl.program_id(0)
     slot = pid // PROGRAMS_PER_BLOCK
@@ -375,9 +398,10 @@ def _block_attention_fwd_kernel(
 
     if ROTATE:
         _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows, row_ok, head_dim,
-                          qk_scale_log2, out_factor, stride_qn, stride_qh, stride_kn, stride_vn, stride_on, stride_oh,
-                          stride_sn, stride_sd, mods, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D, DOT_PRECISION, ROTATE,
-                          INLINE_ASM, IN_BLOCK, FP8, HEADS_PER_PROGRAM, GROUP_STAGES)
+                          qk_scale_log2, out_factor, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                          stride_on, stride_oh, stride_sn, stride_sd, mods, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D,
+                          DOT_PRECISION, ROTATE, INLINE_ASM, IN_BLOCK, FP8, HEADS_PER_PROGRAM, GROUP > 1,
+                          GROUP_STAGES)
         return
     if HEADS_PER_PROGRAM > 1:
         _fwd_group(q_ptr, k_base, v_base, o_ptr, start, head, rows, row_ok, head_dim, qk_scale_log2, out_factor,
@@ -732,6 +756,13 @@ def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: in
     return 128 if plain_launch and options.bits else None
 
 
+def _takes_heads_per_program(heads: int, num_heads: int, group: int, cfg: MappingProxyType, rotate: int) -> bool:
+    """Whether a forward program may run ``heads`` query heads: where one head-dim slice holds the row, the GQA
+    group (on k and v read once), or without GQA with a rotary any divisor of the heads (on the block's angles read
+    once)."""
+    return cfg["NUM_CHUNKS"] == 1 and (heads == group or (group == 1 and rotate != 0 and num_heads % heads == 0))
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs get true fp32 products ("ieee"), not TF32: callers who pass fp32 asked for fp32.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -782,13 +813,15 @@ def block_attention_fwd_triton(
         return out
     group = hq // k.shape[1]
     cfg = kernel_config(block_size, d, backward=False, group=group, element_size=q.element_size(),
-                        rotary=bool(rotate), in_block_bits=options.bits)
+                        rotary=bool(rotate), in_block_bits=options.bits, num_heads=hq,
+                        fp32_angles=rotate != 0 and sinu_pos.dtype == torch.float32)
     fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
     if fp8_dot and not fp8_qk_possible:
         raise ValueError("fp8_dot needs fp8 inputs, no rotary and head-dim slices at least 32 wide")
-    if heads_per_program not in (None, 1) and (heads_per_program != group or cfg["NUM_CHUNKS"] > 1):
-        raise ValueError(f"heads_per_program must be 1, or the GQA group ({group}) where one head-dim slice holds "
-                         f"the row, got {heads_per_program}")
+    if heads_per_program not in (None, 1) and not _takes_heads_per_program(heads_per_program, hq, group, cfg, rotate):
+        raise ValueError(f"heads_per_program must be 1, or where one head-dim slice holds the row the GQA group "
+                         f"({group}), or without GQA with a rotary a divisor of the {hq} heads, got "
+                         f"{heads_per_program}")
     if group_stages is not None and group_stages < 1:
         raise ValueError(f"group_stages must be at least 1, got {group_stages}")
     heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]
