@@ -214,7 +214,7 @@ def test_fused_rotary_float32(head_dim, poisoned_outputs):
 
 
 @pytest.mark.parametrize("heads", [(8, 1), (4, 2), (8, 8), (3, 3)])
-def test_fused_rotary_gqa(heads):
+def test_fused_rotary_fp32_angles(heads):
     """fp32 angles with bf16 tensors under GQA, and without it, where the forward runs 4 (8 heads) or 3 (3 heads)
     query heads a program on the angles read once."""
     q, k, v, do, offsets = random_inputs(random_lengths(5, 300, 64), *heads, 128, torch.bfloat16, "cuda")
