@@ -32,7 +32,8 @@ Measured against the Triton kernels they replace (docs/benchmarks.md, times over
 the rotary backward at the ``ads-rotary`` shape 1.18x -> 1.05x on an H100 and 1.45x -> 1.30x on an H200, the plain
 backward on an H200 1.12x -> 1.01x (``ads``); under GQA at ``ads`` lengths, D = 128, 2 to 8 query heads per kv
 head, 1.25-1.68x -> 1.01-1.04x on an H100 and 1.74-2.37x -> 1.05-1.17x on an H200 (with a rotary and fp32 angles
-2.12-2.52x -> 1.79-1.90x and 2.89-3.47x -> 2.51-2.70x).
+2.12-2.52x -> 1.79-1.90x, and 1.27-1.28x since the angles load 16 bytes a thread; H200 2.89-3.47x -> 2.51-2.70x ->
+1.68-1.74x).
 """
 
 from __future__ import annotations
@@ -385,13 +386,16 @@ def _block_attention_bwd_sm90_kernel(
         dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
         probs.store(ds)
         fence_async_shared()
-        _store_gradient(dv, do, stage32, dv_ptr + start * stride_dvn + col, stride_dvn, length, sin, cos, ROTATE_V & ROTATE)
+        _store_gradient(dv, do, stage32, dv_ptr + start * stride_dvn + col, stride_dvn, length, sin, cos,
+                        ROTATE_V & ROTATE)
         dk = warpgroup_mma(probs.permute((1, 0)), q, zeros, use_acc=False, is_async=True)
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
-        _store_gradient(dk, v, stage32, dk_ptr + start * stride_dkn + col, stride_dkn, length, sin, cos, ROTATE_K & ROTATE)
+        _store_gradient(dk, v, stage32, dk_ptr + start * stride_dkn + col, stride_dkn, length, sin, cos,
+                        ROTATE_K & ROTATE)
         dq = warpgroup_mma(probs, k, zeros, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        _store_gradient(dq, q, stage32, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos, ROTATE_Q & ROTATE)
+        _store_gradient(dq, q, stage32, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos,
+                        ROTATE_Q & ROTATE)
         if (POS_BIAS | TIME_BIAS) & IN_BLOCK:
             offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
             offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
