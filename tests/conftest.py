@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from blockattn import backends, reference
+from blockattn import backends, checks, reference
 from blockattn.block_table import build_block_table
 from blockattn.ops import plans, tiles
 from blockattn.ops.in_block import PLAIN, dropout_keep
@@ -36,8 +36,10 @@ KERNEL_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_GPU el
 
 @pytest.fixture(autouse=True)
 def fresh_plans():
-    """No call plan (``ops.plans``) recorded by another test, under other patches, replays in this one."""
+    """No call plan (``ops.plans``) recorded by another test, under other patches, replays in this one, and no
+    signature that passed the checks (``checks.once_per_signature``) there skips them here."""
     plans.forget()
+    checks.forget()
 
 
 @pytest.fixture(autouse=True)

@@ -284,8 +284,8 @@ class _Subclass(torch.Tensor):
 
 def test_signatures_tell_apart_shapes_alignment_aliasing_types_and_the_current_device(monkeypatch):
     device = [0]
-    monkeypatch.setattr(plans, "_current_device", lambda: device[0])
-    monkeypatch.setattr(plans, "_KEY_FUNCTIONS", {})
+    monkeypatch.setattr(plans._signature, "context", lambda: device[0])
+    monkeypatch.setattr(plans._signature, "functions", {})
     x = torch.randn(64)
     key = plans._signature
     assert key((x, 1.0)) != key((x[1:65 - 1], 1.0))  # shape

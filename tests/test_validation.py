@@ -196,3 +196,91 @@ def test_in_block_tensors_on_another_device():
         blockattn.block_attention(q, k, v, o, pos_bias=torch.zeros(4, 127, device="cuda"))
     with pytest.raises(ValueError, match="timestamps must be on the device of q"):
         blockattn.block_attention(q, k, v, o, timestamps=torch.arange(10, device="cuda"), time_bias=torch.zeros(4, 8))
+
+
+def test_checks_run_once_per_signature(monkeypatch):
+    """A call whose arguments' metadata passed the checks before skips them; other shapes, dtypes, requires_grad
+    or grad mode are checked anew, and so are arguments without a signature (an unhashable value)."""
+    from blockattn import checks
+
+    ran = []
+    check = checks.attention
+    monkeypatch.setattr(checks, "attention", lambda *args: ran.append(1) or check(*args))
+    q, k, v, o = good()
+    for _ in range(3):
+        blockattn.block_attention(q, k, v, o)
+        blockattn.block_attention(q.clone(), k.clone(), v.clone(), o.clone())  # other tensors, same metadata
+    assert len(ran) == 1
+    blockattn.block_attention(q[:, :2], k[:, :1], v[:, :1], o)  # other shapes
+    assert len(ran) == 2
+    blockattn.block_attention(q.requires_grad_(), k, v, o)
+    assert len(ran) == 3
+    with torch.no_grad():
+        blockattn.block_attention(q, k, v, o)
+    assert len(ran) == 4
+    for _ in range(2):
+        blockattn.block_attention(q, k, v, o, sinu_pos=ANGLES, rotate=["q", "k"])  # a list: no signature
+    assert len(ran) == 6
+
+
+def test_a_refused_signature_is_refused_every_time():
+    """Only arguments that passed are remembered: the same bad call raises again, and a good call does not make
+    one with other metadata pass."""
+    q, k, v, o = good()
+    blockattn.block_attention(q, k, v, o, scale=0.5)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="scale must be a finite positive"):
+            blockattn.block_attention(q, k, v, o, scale=-0.5)
+        with pytest.raises(TypeError, match="offsets must be int32"):
+            blockattn.block_attention(q, k, v, o.float(), scale=0.5)
+        with pytest.raises(ValueError, match="sinu_pos requires grad"):
+            blockattn.block_attention(q, k, v, o, sinu_pos=ANGLES.clone().requires_grad_())
+    blockattn.block_attention(q, k, v, o, sinu_pos=ANGLES)
+    with pytest.raises(ValueError, match="sinu_pos requires grad"):  # same shapes, now requiring grad
+        blockattn.block_attention(q, k, v, o, sinu_pos=ANGLES.clone().requires_grad_())
+
+
+def test_float8_inference_check_follows_grad_mode_and_requires_grad():
+    """The float8 forward refuses inputs that require grad while autograd records, after the same call passed
+    without them, or under no_grad."""
+    from blockattn.reference import quantised_fp8
+
+    q, k, v, o = good()
+    (q8, qs), (k8, ks), (v8, vs) = quantised_fp8(q), quantised_fp8(k), quantised_fp8(v)
+    scales = {"q_descale": qs, "k_descale": ks, "v_descale": vs}
+    blockattn.block_attention(q8, k8, v8, o, **scales)
+    with pytest.raises(ValueError, match="q_descale must not require grad"):
+        blockattn.block_attention(q8, k8, v8, o, **{**scales, "q_descale": qs.clone().requires_grad_()})
+    descale = qs.clone().requires_grad_()
+    with torch.no_grad():
+        blockattn.block_attention(q8, k8, v8, o, **{**scales, "q_descale": descale})
+    with pytest.raises(ValueError, match="q_descale must not require grad"):
+        blockattn.block_attention(q8, k8, v8, o, **{**scales, "q_descale": descale})
+
+
+def test_flash_checks_follow_requires_grad():
+    q, k, v = (torch.randn(1, 16, 2, 32) for _ in range(3))
+    blockattn.flash_attention(q, k, v)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="flash attention is forward only"):
+            blockattn.flash_attention(q.clone().requires_grad_(), k, v)
+    with pytest.raises(ValueError, match="causal_alignment must be one of"):
+        blockattn.flash_attention(q, k, v, causal_alignment="center")
+
+
+def test_the_oldest_passed_signature_is_checked_again(monkeypatch):
+    from blockattn import checks
+
+    ran = []
+    check = checks.attention
+    monkeypatch.setattr(checks, "attention", lambda *args: ran.append(1) or check(*args))
+    monkeypatch.setattr(checks, "MAX_PASSED", 2)
+    q, k, v, o = good()
+    shapes = [(q, k, v), (q[:, :2], k[:, :1], v[:, :1]), (q[..., :16], k[..., :16], v[..., :16])]
+    for tensors in shapes:
+        blockattn.block_attention(*tensors, o)
+    for tensors in shapes[1:]:
+        blockattn.block_attention(*tensors, o)
+    assert len(ran) == 3
+    blockattn.block_attention(*shapes[0], o)
+    assert len(ran) == 4

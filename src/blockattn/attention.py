@@ -147,19 +147,17 @@ def block_attention(
     offsets, block_size, table = checks.block_structure(offsets, checks.num_tokens(q), block_size)
     timestamps, time_bucket_width, time_buckets = checks.layout_time_bias(layout, timestamps, time_bias,
                                                                           time_bucket_width)
-    checks.attention(q, k, v, offsets, block_size, scale)
-    sinu_pos, rotate = checks.rotary_args(sinu_pos, rotate, q, offsets)
-    timestamps = checks.in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q, offsets,
-                                 block_size)
-    if q.dtype == checks.FP8_DTYPE and out_dtype is None:
-        out_dtype = fp8.DEFAULT_OUT_DTYPE
-    checks.fp8_inference(q, k, v, (q_descale, k_descale, v_descale), out_dtype, out_scale,
-                         {"pos_bias": pos_bias, "time_bias": time_bias})
+    sinu_pos = checks.jagged_values("sinu_pos", sinu_pos, offsets, "[B, j, D]")
+    timestamps = checks.jagged_values("timestamps", timestamps, offsets, "[B, j]")
+    checks.block_attention_call(q, k, v, offsets, block_size, scale, sinu_pos, rotate, causal, pos_bias, timestamps,
+                                time_bias, time_bucket_width, dropout_p, out_dtype, q_descale, k_descale, v_descale,
+                                out_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out = custom_ops.block_attention(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias,
-                                     timestamps, time_bias, float(time_bucket_width), float(dropout_p),
-                                     _dropout_seed(dropout_p, q.device), *_table_args(table), q_descale, k_descale,
-                                     v_descale, out_scale, out_dtype, time_buckets)
+    out = custom_ops.block_attention(q, k, v, offsets, sinu_pos, block_size, scale,
+                                     checks.rotate_bits(rotate, sinu_pos), causal, pos_bias, timestamps, time_bias,
+                                     float(time_bucket_width), float(dropout_p), _dropout_seed(dropout_p, q.device),
+                                     *_table_args(table), q_descale, k_descale, v_descale, out_scale,
+                                     checks.fp8_out_dtype(q.dtype, out_dtype), time_buckets)
     if nested:
         return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)
@@ -217,30 +215,25 @@ def qkv_block_attention(
 
     Returns ``[N, num_heads, D]``. Gradients flow to ``x``, ``w``, ``bias`` and the attention biases.
     """
-    checks.projection(x, w, bias, num_heads, num_kv_heads)
     layout = offsets
     offsets, block_size, table = checks.block_structure(offsets, checks.num_tokens(x), block_size)
     timestamps, time_bucket_width, time_buckets = checks.layout_time_bias(layout, timestamps, time_bias,
                                                                           time_bucket_width)
-    checks.tensor("offsets", offsets)
-    checks.fp8_projection(x, w, bias, x_descale, w_descale, qkv_scale, out_dtype, out_scale)
-    # Check the attention arguments from shapes alone, before the projection runs: views of a zero-stride tensor.
-    shapes = custom_ops.split_heads(x.new_empty(()).expand(x.shape[0], w.shape[1]), num_heads, num_kv_heads)
-    checks.attention(*shapes, offsets, block_size, scale)
-    sinu_pos, rotate = checks.rotary_args(sinu_pos, rotate, shapes[0], offsets)
-    timestamps = checks.in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, shapes[0],
-                                 offsets, block_size)
-    scale = 1.0 / math.sqrt(shapes[0].shape[-1]) if scale is None else float(scale)
+    sinu_pos = checks.jagged_values("sinu_pos", sinu_pos, offsets, "[B, j, D]")
+    timestamps = checks.jagged_values("timestamps", timestamps, offsets, "[B, j]")
+    checks.qkv_block_attention_call(x, w, bias, num_heads, num_kv_heads, offsets, block_size, scale, sinu_pos, rotate,
+                                    causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, x_descale,
+                                    w_descale, qkv_scale, out_dtype, out_scale)
+    head_dim = custom_ops.packed_head_dim(w, num_heads, num_kv_heads)  # w's columns are those of the projection
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    rotate = checks.rotate_bits(rotate, sinu_pos)
     options = (causal, pos_bias, timestamps, time_bias, float(time_bucket_width), float(dropout_p),
                _dropout_seed(dropout_p, x.device), *_table_args(table))
     if x.dtype == checks.FP8_DTYPE:
-        out_dtype = out_dtype or fp8.DEFAULT_OUT_DTYPE
-        checks.fp8_inference(*shapes, (qkv_scale,) * 3, out_dtype, out_scale,
-                             {"pos_bias": pos_bias, "time_bias": time_bias})
         qkv = fp8.projection(x, w, bias, x_descale, w_descale, qkv_scale)
         return custom_ops.block_attention(*custom_ops.split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
                                           block_size, scale, rotate, *options, qkv_scale, qkv_scale, qkv_scale,
-                                          out_scale, out_dtype, time_buckets)
+                                          out_scale, checks.fp8_out_dtype(x.dtype, out_dtype), time_buckets)
     qkv = x @ w if bias is None else torch.addmm(bias, x, w)
     return custom_ops.qkv_block_attention(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate,
                                           *options, time_buckets)

@@ -4,19 +4,26 @@ Each public entry point calls one function here, before any kernel runs; a bad a
 ``ValueError`` that names it and says what was expected. Only metadata is read (shapes, dtypes, devices, strides),
 so the checks cost no device work and are safe under ``torch.compile``; the *values* of ``offsets`` are checked
 where the block table is built (``block_table.build_block_table``).
+
+Because only metadata is read, the checks of a call run once per signature of its arguments
+(:func:`once_per_signature`): a model's layers call the attention functions on the same shapes again and again, and
+the checks cost more host time than the kernels of a small batch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import OrderedDict
 
 import torch
 
 from . import devices
 from .block_table import BlockLayout, BlockTable
-from .ops.fp8 import FP8_DTYPE
+from .ops.fp8 import DEFAULT_OUT_DTYPE, FP8_DTYPE
 from .ops.in_block import DEFAULT_BUCKET_WIDTH, MIN_BUCKET_WIDTH, bucket_dtype
 from .ops.tiles import ROTATE_BITS
+from .signatures import Signature
 
 BLOCK_SIZES = (16, 32, 64, 128)
 DEFAULT_BLOCK_SIZE = 64
@@ -35,6 +42,54 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16, FP8_DTYPE, torch.float32)
 FLASH_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 FLASH_VARIANTS = ("auto", "pipelined", "warp_specialized")
+
+
+# What the checks of a call (below) read: the tensors' types, shapes, dtypes, devices and requires_grad, the other
+# arguments' values, and whether autograd records (the float8 forward's inference-only check). Not strides, nor
+# which arguments are one tensor.
+_SIGNATURE = Signature("({t}.shape, {t}.dtype, {t}.device, {t}.requires_grad)", torch.is_grad_enabled, aliases=False)
+MAX_PASSED = 256
+
+
+def once_per_signature(check):
+    """``check`` (a function of metadata alone that raises on a bad argument) skipped for arguments whose signature
+    (``signatures``) is among the last :data:`MAX_PASSED` that passed it: a layer's second call on the same shapes
+    costs the signature and a look-up instead of the checks. Arguments without a signature (a tensor
+    subclass, an unhashable value) are checked every time, and so is every call while ``torch.compile`` traces
+    (nothing of this cache enters a graph). Only calls that passed are remembered: a refused one raises again."""
+    passed: OrderedDict = OrderedDict()
+    _EVERY_CACHE.append(passed)
+
+    @functools.wraps(check)
+    def checked(*args) -> None:
+        if torch.compiler.is_compiling():
+            return check(*args)
+        try:
+            key = _SIGNATURE(args)
+            seen = key in passed
+        except TypeError:  # no signature: a tensor subclass, an unhashable value
+            return check(*args)
+        if seen:
+            return None
+        check(*args)
+        passed[key] = None
+        if len(passed) > MAX_PASSED:  # the oldest goes (one C call each: safe between threads under the GIL)
+            passed.popitem(last=False)
+        return None
+
+    checked.passed = passed  # for tests
+    return checked
+
+
+_EVERY_CACHE: list[OrderedDict] = []
+
+
+def forget() -> None:
+    """Forget every signature that passed: the next calls are checked again. A check's outcome depends on its
+    arguments alone but for the device's compute capability (float8 projections), a constant of the hardware; tests
+    that fake it call this."""
+    for passed in _EVERY_CACHE:
+        passed.clear()
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -218,18 +273,34 @@ def unpack_nested(q, k, v) -> tuple[torch.Tensor, ...]:
     return q.values(), k.values(), v.values(), offsets
 
 
-def rotary_args(angles, rotate, q: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor | None, int]:
-    """Checked ``sinu_pos`` (as ``[N, D]``, unpacked if nested like ``q``) and the ``rotate`` bit mask; nothing is
-    rotated without angles."""
-    mask = rotate_mask(rotate)
-    if angles is None:
-        return None, 0
-    if isinstance(angles, torch.Tensor) and angles.is_nested:
-        if angles.layout != torch.jagged or not same_structure(angles.offsets(), offsets):
-            raise ValueError("sinu_pos, when nested, must be a torch.jagged tensor [B, j, D] with the structure of q")
-        angles = angles.values()
-    sinu_pos(angles, q, "q")
-    return angles, mask
+def jagged_values(name: str, value, offsets_: torch.Tensor, shape: str):
+    """An optional per-token input given, like ``q``, as a ``torch.jagged`` nested tensor (``shape``): its values,
+    once its structure is checked to be that of ``q`` (``offsets``); any other value as it is."""
+    if not (isinstance(value, torch.Tensor) and value.is_nested):
+        return value
+    offsets(offsets_)
+    if value.layout != torch.jagged or not same_structure(value.offsets(), offsets_):
+        raise ValueError(f"{name}, when nested, must be a torch.jagged tensor {shape} with the structure of q")
+    return value.values()
+
+
+def rotary_args(angles, rotate, q: torch.Tensor) -> None:
+    """``sinu_pos`` (``[N, D]``: nested ones unpacked by :func:`jagged_values` first) and ``rotate``; the bit
+    mask is :func:`rotate_bits`'s."""
+    rotate_mask(rotate)
+    if angles is not None:
+        sinu_pos(angles, q, "q")
+
+
+@functools.lru_cache(maxsize=64)
+def _mask_of(names: tuple) -> int:
+    return rotate_mask(names)
+
+
+def rotate_bits(rotate, angles) -> int:
+    """The ops' bit mask of a checked ``rotate`` (:func:`rotary_args`), cached per tuple of names; 0 without
+    ``angles``: nothing is rotated then."""
+    return 0 if angles is None else _mask_of(tuple(rotate))
 
 
 def projection(x, w, bias, num_heads, num_kv_heads) -> None:
@@ -463,9 +534,9 @@ def layout_time_bias(value, timestamps, time_bias, time_bucket_width) -> tuple:
 
 
 def in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q: torch.Tensor,
-             offsets_: torch.Tensor, block: int) -> torch.Tensor | None:
-    """The in-block options of block attention (docs/semantics.md, "Inside a block") for ``q [N, Hq, D]``; returns
-    ``timestamps`` as ``[N]`` (unpacked if nested like ``q``)."""
+             block: int) -> None:
+    """The in-block options of block attention (docs/semantics.md, "Inside a block") for ``q [N, Hq, D]``;
+    ``timestamps [N]`` (nested ones unpacked by :func:`jagged_values` first)."""
     _flag("causal", causal)
     n, hq = q.shape[:2]
     if pos_bias is not None:
@@ -475,17 +546,11 @@ def in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout
         raise ValueError(f"{given} was given without {missing}: the time bias needs both (timestamps [N] and "
                          "time_bias [num_heads, num_buckets])")
     if timestamps is not None:
-        if isinstance(timestamps, torch.Tensor) and timestamps.is_nested:
-            if timestamps.layout != torch.jagged or not same_structure(timestamps.offsets(), offsets_):
-                raise ValueError("timestamps, when nested, must be a torch.jagged tensor [B, j] with the structure "
-                                 "of q")
-            timestamps = timestamps.values()
         _timestamps(timestamps, n, q.device, "q")
         _bias_table("time_bias", time_bias, (hq, 0), "num_buckets", q)
         _bucket_width(time_bucket_width)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    return timestamps
 
 
 def num_tokens(x) -> int | None:
@@ -518,3 +583,58 @@ def layout(offsets_, num_tokens, block) -> None:
         raise ValueError(f"offsets describes no sequence (B = 0) but num_tokens is {num_tokens}; expected "
                          "offsets[-1] == num_tokens")
     block_size(block)
+
+
+# The checks of each public attention call, run once per signature of its arguments (once_per_signature).
+
+
+@once_per_signature
+def block_attention_call(q, k, v, offsets_, block, scale, angles, rotate, causal, pos_bias, timestamps, time_bias,
+                         time_bucket_width, dropout_p, out_dtype, q_descale, k_descale, v_descale, out_scale) -> None:
+    """A ``block_attention`` call on ``[N, H, D]`` tensors, once its layout is taken apart (:func:`block_structure`,
+    :func:`layout_time_bias`) and nested inputs unpacked (:func:`unpack_nested`, :func:`jagged_values`)."""
+    attention(q, k, v, offsets_, block, scale)
+    rotary_args(angles, rotate, q)
+    in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q, block)
+    fp8_inference(q, k, v, (q_descale, k_descale, v_descale), fp8_out_dtype(q.dtype, out_dtype), out_scale,
+                  {"pos_bias": pos_bias, "time_bias": time_bias})
+
+
+@once_per_signature
+def qkv_block_attention_call(x, w, bias, num_heads, num_kv_heads, offsets_, block, scale, angles, rotate, causal,
+                             pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, x_descale, w_descale,
+                             qkv_scale, out_dtype, out_scale) -> None:
+    """A ``qkv_block_attention`` call, as :func:`block_attention_call`: the attention's arguments are checked from
+    the shapes of the projection before it runs (views of a zero-stride tensor)."""
+    from .custom_ops import split_heads  # custom_ops imports the dispatcher, which imports this module
+
+    projection(x, w, bias, num_heads, num_kv_heads)
+    tensor("offsets", offsets_)
+    fp8_projection(x, w, bias, x_descale, w_descale, qkv_scale, out_dtype, out_scale)
+    q, k, v = split_heads(x.new_empty(()).expand(x.shape[0], w.shape[1]), num_heads, num_kv_heads)
+    attention(q, k, v, offsets_, block, scale)
+    rotary_args(angles, rotate, q)
+    in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q, block)
+    if x.dtype == FP8_DTYPE:
+        fp8_inference(q, k, v, (qkv_scale,) * 3, fp8_out_dtype(x.dtype, out_dtype), out_scale,
+                      {"pos_bias": pos_bias, "time_bias": time_bias})
+
+
+def fp8_out_dtype(dtype: torch.dtype, out_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The output's dtype of inputs of ``dtype``: bfloat16 when left out (None) for float8 inputs; as given
+    otherwise (None: the inputs' own)."""
+    return DEFAULT_OUT_DTYPE if dtype == FP8_DTYPE and out_dtype is None else out_dtype
+
+
+@once_per_signature
+def flash_call(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, causal_alignment, scale, return_lse,
+               out_dtype, q_descale, k_descale, v_descale, variant) -> None:
+    """A ``flash_attention`` call (``cu_q`` None) or a ``flash_attention_varlen`` one, forward only."""
+    packed = cu_q is not None
+    flash(q, k, v, packed=packed, causal=causal, causal_alignment=causal_alignment, scale=scale,
+          return_lse=return_lse, out_dtype=out_dtype, descales=(q_descale, k_descale, v_descale), variant=variant)
+    if packed:
+        cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("flash attention is forward only: q, k, v must not require grad (call it under "
+                         "torch.no_grad() or detach them)")

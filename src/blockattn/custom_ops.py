@@ -62,13 +62,13 @@ def _rotary_backward(ctx, grad):
 rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
 
 
-def _packed_head_dim(qkv, num_heads, num_kv_heads) -> int:
+def packed_head_dim(qkv, num_heads, num_kv_heads) -> int:
     return qkv.shape[1] // (num_heads + 2 * num_kv_heads)
 
 
 def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, ...]:
     """Views ``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` of a packed ``[N, (Hq + 2 Hkv) * D]`` projection (no copy)."""
-    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, _packed_head_dim(qkv, num_heads, num_kv_heads))
+    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, packed_head_dim(qkv, num_heads, num_kv_heads))
     return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
 
 
@@ -375,7 +375,7 @@ def _(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate
       timestamps=None, time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None,
       block_cum=None, block_seq=None, time_buckets=None):
     n = qkv.shape[0]
-    head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
+    head_dim = packed_head_dim(qkv, num_heads, num_kv_heads)
     return (qkv.new_empty(n, num_heads, head_dim), *_fwd_table_fakes(offsets, n, block_size, block_cum),
             _buckets_fake(qkv, time_bias, time_buckets, block_size))
 
@@ -449,27 +449,29 @@ _EagerQkvBlockAttention = _register_autograd("EagerQkvBlockAttention", qkv_block
                                              _qkv_input_grads, differentiable=(0, 9, 11))  # qkv and the biases
 
 
-def eager_route(*tensors: torch.Tensor) -> bool:
-    """Whether a call on ``tensors`` (the first the op's main input) may run its op's implementation under a
-    ``torch.autograd.Function`` instead of through the custom op: the op's dispatch and autograd wrapper measured
-    ~250 µs of host time per forward with gradients on an H100's host, a ``torch.autograd.Function`` ~26 µs
+def eager_route(*inputs) -> bool:
+    """Whether a call on ``inputs`` (an op's arguments, the first its main input) may run the op's implementation
+    under a ``torch.autograd.Function`` instead of through the custom op: the op's dispatch and autograd wrapper
+    measured ~250 µs of host time per forward with gradients on an H100's host, a ``torch.autograd.Function`` ~26 µs
     (docs/benchmarks.md), more than the kernels of a small batch take. Not while ``torch.compile`` traces, under
     a dispatch mode (``FlopCounterMode``, ``FakeTensorMode``) or a functorch transform, nor for tensor subclasses
     or meta tensors: there the op's registrations (fake, FLOP formula) are what is asked for."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
-    return (not torch._C._are_functorch_transforms_active() and not tensors[0].is_meta
-            and all(type(t) in _PLAIN_TENSORS for t in tensors))
+    return (not torch._C._are_functorch_transforms_active() and not inputs[0].is_meta
+            and _EAGER_TYPES.issuperset(map(type, inputs)))
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# What an op's arguments may be on the eager route: plain tensors and Python values (not a tensor subclass).
+_EAGER_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, torch.dtype})
 
 
 def _attention(op, eager: type[torch.autograd.Function], forward, inputs: tuple) -> torch.Tensor:
-    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-    if eager_route(*tensors):
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return eager.apply(inputs, *(inputs[i] for i in eager.differentiable))
+    if eager_route(*inputs):
+        # Gradients flow to the Function's differentiable inputs alone: whether autograd records is theirs to say.
+        differentiable = [inputs[i] for i in eager.differentiable]
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
+            return eager.apply(inputs, *differentiable)
         # Nothing to differentiate (inference): the implementation itself, without the Function's bookkeeping.
         return forward(*inputs)[0]
     return op(*inputs)[0]
@@ -521,14 +523,14 @@ def _bwd_flops(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block
 @register_flop_formula(torch.ops.blockattn.qkv_block_attention_fwd, get_raw=True)
 def _qkv_fwd_flops(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal=False,
                    *args, **kwargs) -> int:
-    head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
+    head_dim = packed_head_dim(qkv, num_heads, num_kv_heads)
     return attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, causal, MATMULS["fwd"])
 
 
 @register_flop_formula(torch.ops.blockattn.qkv_block_attention_bwd, get_raw=True)
 def _qkv_bwd_flops(grad_out, qkv, offsets, sinu_pos, block_cum, block_seq, num_heads, num_kv_heads, block_size,
                    scale, rotate, causal=False, *args, **kwargs) -> int:
-    head_dim = _packed_head_dim(qkv, num_heads, num_kv_heads)
+    head_dim = packed_head_dim(qkv, num_heads, num_kv_heads)
     return attention_flops(offsets, qkv.shape[0], num_heads, head_dim, block_size, causal, MATMULS["bwd"])
 
 
@@ -567,7 +569,7 @@ def flash_attention(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attention_fwd(*inputs)``: its implementation called directly where the eager route may run (the
     op's dispatch costs more host time than a small call's kernel; forward only, so there is no autograd to set
     up), the op elsewhere."""
-    if eager_route(*(x for x in inputs if isinstance(x, torch.Tensor))):
+    if eager_route(*inputs):
         return _flash_attention_fwd(*inputs)
     return flash_attention_fwd(*inputs)
 

@@ -7,7 +7,6 @@ import math
 import torch
 
 from . import checks, custom_ops
-from .ops import fp8
 
 _DOC_COMMON = """
     Under ``causal``, query ``i`` sees keys ``j <= i`` (``causal_alignment="top_left"``, as
@@ -42,18 +41,10 @@ _DOC_COMMON = """
 def _attend(q, k, v, cu_seqlens, max_seqlens, *, causal, causal_alignment, scale, return_lse, out_dtype, q_descale,
             k_descale, v_descale, variant):
     """Both public functions past their own argument checks: the common checks, then the custom op."""
-    packed = cu_seqlens[0] is not None
-    checks.flash(q, k, v, packed=packed, causal=causal, causal_alignment=causal_alignment, scale=scale,
-                 return_lse=return_lse, out_dtype=out_dtype, descales=(q_descale, k_descale, v_descale),
-                 variant=variant)
-    if packed:
-        checks.cu_seqlens(*cu_seqlens, q, k, *max_seqlens)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("flash attention is forward only: q, k, v must not require grad (call it under "
-                         "torch.no_grad() or detach them)")
+    checks.flash_call(q, k, v, *cu_seqlens, *max_seqlens, causal, causal_alignment, scale, return_lse, out_dtype,
+                      q_descale, k_descale, v_descale, variant)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if out_dtype is None:
-        out_dtype = fp8.DEFAULT_OUT_DTYPE if q.dtype == checks.FP8_DTYPE else q.dtype
+    out_dtype = checks.fp8_out_dtype(q.dtype, out_dtype) or q.dtype
     out, lse = custom_ops.flash_attention(q, k, v, *cu_seqlens, *max_seqlens, scale, causal,
                                           causal_alignment == "bottom_right", out_dtype, q_descale, k_descale,
                                           v_descale, variant)

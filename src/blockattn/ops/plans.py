@@ -31,10 +31,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..signatures import TENSORS as _TENSORS
+from ..signatures import Signature
 from . import launch as launches
 
 MAX_PLANS = 256
-_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _aten = torch.ops.aten
 # What a plan may replay besides launches: allocations, fills, views, device-side assertions. Nothing that reads
 # a tensor's values on the host, draws random numbers or computes (a computing op would be a kernel this library
@@ -220,44 +221,14 @@ class Plan:
         return tree_unflatten(self.result(slots), self.spec)
 
 
-def _signature(args: tuple):
-    """What the implementation's host-side decisions may depend on: every argument's type, the tensors' shapes,
-    strides, dtypes, devices and 16-byte alignment, which arguments are one tensor, the other values, and the
-    current device (whose stream the kernels go to)."""
-    types = tuple(map(type, args))
-    key_of = _KEY_FUNCTIONS.get(types)
-    if key_of is None:
-        key_of = _KEY_FUNCTIONS[types] = _key_function(types)
-    return types, key_of(args)
-
-
-_KEY_FUNCTIONS: dict[tuple[type, ...], Callable] = {}
 # The current CUDA device (the index alone: ``torch.cuda.current_device`` costs ~1 µs more); planned calls are on a
 # GPU, so CUDA is initialised.
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-
-
-def _key_function(types: tuple[type, ...]) -> Callable[[tuple], tuple]:
-    """:func:`_signature`'s key of arguments of these types, generated once per sequence of types (an expression
-    per argument: no loop or type test per argument on every call). A tensor subclass raises ``TypeError``."""
-    if any(issubclass(t, torch.Tensor) and t not in _TENSORS for t in types):
-        def refuse(args):
-            raise TypeError("a tensor subclass: no plan")
-        return refuse
-    tensors = [i for i, t in enumerate(types) if t in _TENSORS]
-    parts = [f"(a[{i}].shape, a[{i}].stride(), a[{i}].dtype, a[{i}].get_device(), a[{i}].data_ptr() & 15)"
-             if t in _TENSORS else f"a[{i}]" for i, t in enumerate(types) if t is not type(None)]
-    ids = "".join(f"id(a[{i}]), " for i in tensors)
-    # Generated from argument positions only, no outside text.
-    source = f"def key(a):\n    return (_device(), _aliases(({ids})), {''.join(p + ', ' for p in parts)})\n"
-    scope = {"_device": _current_device, "_aliases": _aliases}
-    exec(compile(source, "<plan signature>", "exec"), scope)  # noqa: S102
-    return scope["key"]
-
-
-def _aliases(ids: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Which tensor arguments are one tensor (each one's first position), or None when all are distinct."""
-    return None if len(set(ids)) == len(ids) else tuple(ids.index(i) for i in ids)
+# What the implementation's host-side decisions may depend on: every argument's type, the tensors' shapes, strides,
+# dtypes, devices and 16-byte alignment, which arguments are one tensor, the other values, and the current device
+# (whose stream the kernels go to). A tensor subclass raises ``TypeError``.
+_signature = Signature("({t}.shape, {t}.stride(), {t}.dtype, {t}.get_device(), {t}.data_ptr() & 15)",
+                       _current_device)
 
 
 _UNSEEN, _SEEN_ONCE = object(), object()
