@@ -75,16 +75,23 @@ def test_fp8_block_attention_needs_fp8_gpus(capability, gpu_capability):
 @pytest.mark.skipif(backends.sm90_ops is None, reason="this triton has no Gluon Hopper API")
 @pytest.mark.parametrize(
     "changes,reason",
-    [({"block_size": 128}, "64-token blocks"), ({"head_dim": 256}, "D in (32, 64, 128)"),
-     ({"dtype": torch.float32}, "float16 and bfloat16"), ({"tma_rows": False}, "rows"),
-     ({"pass_name": "fwd"}, "no fwd kernel"), ({"heads": (4, 2), "in_block": 6}, "biases together without GQA")],
+    [({"block_size": 32}, "block sizes (64, 128)"), ({"block_size": 128, "head_dim": 256}, "D in (32, 64, 128)"),
+     ({"block_size": 128, "head_dim": 128, "heads": (4, 2)}, "D in (32, 64) at 128-token blocks under GQA"),
+     ({"head_dim": 96}, "D in (32, 64, 128, 256)"), ({"dtype": torch.float32}, "float16 and bfloat16"),
+     ({"tma_rows": False}, "rows"), ({"pass_name": "fwd"}, "no fwd kernel"),
+     ({"heads": (4, 2), "in_block": 6}, "biases together without GQA"),
+     ({"block_size": 128, "in_block": 1}, "in-block options at 64-token blocks with D <= 128"),
+     ({"head_dim": 256, "in_block": 4}, "in-block options at 64-token blocks with D <= 128")],
 )
 def test_hopper_backward_takes_only_its_shape(changes, reason, gpu_capability):
     gpu_capability((9, 0))
     for heads in ((4, 4), (4, 2), (8, 1)):
-        for head_dim in (32, 64, 128):
-            assert select(call(heads=heads, head_dim=head_dim)).name == "sm90-gluon"
-            assert select(call(heads=heads, head_dim=head_dim, rotate=7)).name == "sm90-gluon"
+        gqa = heads[0] != heads[1]
+        shapes = [(64, 32), (64, 64), (64, 128), (64, 256), (128, 32), (128, 64)] + [(128, 128)] * (not gqa)
+        for block_size, head_dim in shapes:
+            for rotate in (0, 7):
+                taken = call(heads=heads, head_dim=head_dim, block_size=block_size, rotate=rotate)
+                assert select(taken).name == "sm90-gluon"
         for options in (1, 2, 4, 8, 11, 13):  # causal, each bias, dropout, all but one bias
             assert select(call(heads=heads, head_dim=128, in_block=options)).name == "sm90-gluon"
         both_biases = call(heads=heads, head_dim=128, in_block=15)
@@ -95,22 +102,24 @@ def test_hopper_backward_takes_only_its_shape(changes, reason, gpu_capability):
 
 
 @pytest.mark.skipif(backends.sm90_ops is None, reason="this triton has no Gluon Hopper API")
-@pytest.mark.parametrize("options,rotate,gqa,head_dim,capped", [
-    ({"pos_bias": True, "time_bias": True}, 0, False, 128, True),  # both biases without GQA
-    ({"pos_bias": True, "time_bias": True, "dropout_p": 0.1}, 0, False, 128, False),
-    ({"pos_bias": True, "time_bias": True}, 7, False, 128, False),
-    ({"time_bias": True}, 0, False, 128, False),
-    ({}, 0, True, 64, True), ({}, 7, True, 64, True),  # GQA at D = 64, plain or rotary
-    ({"causal": True}, 0, True, 64, False), ({}, 0, True, 32, False), ({}, 0, True, 128, False),
-    ({}, 0, False, 64, False)])
-def test_hopper_backward_register_cap_only_where_it_measured_faster(options, rotate, gqa, head_dim, capped):
+@pytest.mark.parametrize("options,rotate,gqa,block_size,head_dim,capped", [
+    ({"pos_bias": True, "time_bias": True}, 0, False, 64, 128, True),  # both biases without GQA
+    ({"pos_bias": True, "time_bias": True, "dropout_p": 0.1}, 0, False, 64, 128, False),
+    ({"pos_bias": True, "time_bias": True}, 7, False, 64, 128, False),
+    ({"time_bias": True}, 0, False, 64, 128, False),
+    ({}, 0, True, 64, 64, True), ({}, 7, True, 64, 64, True),  # GQA at D = 64, plain or rotary
+    ({}, 0, True, 128, 64, False),  # two warpgroups at 128-token blocks
+    ({"causal": True}, 0, True, 64, 64, False), ({}, 0, True, 64, 32, False), ({}, 0, True, 64, 128, False),
+    ({}, 0, False, 64, 64, False)])
+def test_hopper_backward_register_cap_only_where_it_measured_faster(options, rotate, gqa, block_size, head_dim,
+                                                                    capped):
     """The Hopper backward's cap of 168 registers (three programs an SM): both biases together without GQA, a
     rotary or dropout; GQA at D = 64 without options. Elsewhere it measured slower or changes nothing."""
     tensor = torch.zeros(4, 8)
     opts = InBlock(**{name: tensor if name.endswith("bias") else value
                        for name, value in options.items()})
     expected = {"maxnreg": 168} if capped else {}
-    assert backends.sm90_ops._backward_register_cap(opts, rotate, gqa, head_dim) == expected
+    assert backends.sm90_ops._backward_register_cap(opts, rotate, gqa, block_size, head_dim) == expected
 
 
 def test_every_backend_says_what_it_is():

@@ -234,9 +234,9 @@ def test_fused_rotary_backward_is_bitwise_deterministic(heads):
 
 
 def test_dispatcher_on_this_gpu():
-    """On this GPU the Hopper kernels take the backward of 64-token blocks, D = 128, with or without GQA, 16-bit
-    tensors that TMA reads as [N, H * D] rows, with or without a rotary (on other GPUs the Triton kernels do); the
-    forward and every other backward run the Triton kernels."""
+    """On this GPU the Hopper kernels take the backward of 64- and 128-token blocks, D = 128, with or without GQA
+    (at 64-token blocks), 16-bit tensors that TMA reads as [N, H * D] rows, with or without a rotary (on other GPUs
+    the Triton kernels do); the forward and every other backward run the Triton kernels."""
     q, k, v, do, _ = random_inputs([100], 3, 3, 128, torch.bfloat16, "cuda")
 
     def chosen(pass_name, q, k, v, do, grads, block_size, rotate):
@@ -250,8 +250,10 @@ def test_dispatcher_on_this_gpu():
         assert chosen("fwd", q, k, v, do, (), 64, rotate) == "triton"
     padded_heads = torch.randn(100, 3, 136, dtype=torch.bfloat16, device="cuda")[..., :128]
     odd_rows = torch.randn(100, 385, dtype=torch.bfloat16, device="cuda")[:, :384].view(100, 3, 128)
+    for block_size in (64, 128):
+        assert chosen("bwd", q, k, v, do, (q, k, v), block_size, ROTATE_ALL) == production
     for other in [
-        (q, k, v, do, (q, k, v), 128, ROTATE_ALL),
+        (q, k, v, do, (q, k, v), 32, ROTATE_ALL),
         (*(t.float() for t in (q, k, v, do)), (q, k, v), 64, ROTATE_ALL),
         (q[..., :64], k[..., :64], v[..., :64], do[..., :64], (q, k, v), 64, ROTATE_ALL),  # D 64 as strided views
         (padded_heads, k, v, do, (q, k, v), 64, ROTATE_ALL),  # heads not side by side: no [N, H * D] descriptor
@@ -261,6 +263,25 @@ def test_dispatcher_on_this_gpu():
         assert chosen("bwd", *other) == "triton"
 
 
+def check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch):
+    """The Hopper kernels (checked to run) on odd lengths: the accuracy contract against float64, and an SNR bound
+    on each gradient."""
+    calls = []
+    hopper = backends.BACKENDS["sm90-gluon"]
+    monkeypatch.setitem(backends.BACKENDS, "sm90-gluon", dataclasses.replace(
+        hopper, backward=lambda *args: calls.append(1) or hopper.backward(*args)))
+    q, k, v, do, offsets = random_inputs(random_lengths(6, 400, block_size), *heads, head_dim, dtype, "cuda")
+    sinu_pos = random_angles(q.shape[0], head_dim, dtype, "cuda") if rotate else None
+    rotary = {"sinu_pos": sinu_pos, "rotate": rotate} if rotate else {}
+    results = public_op(q, k, v, do, offsets, block_size, **rotary)
+    assert calls == [1]
+    mask = rotate_mask(rotate) if rotate else 0
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=mask)
+    exact = reference_grads(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=mask)
+    for name, got, ref in zip(("dq", "dk", "dv"), results[1:], exact[1:]):
+        assert snr_db(got, ref) > 45, f"{name}: SNR {snr_db(got, ref):.1f} dB"
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("heads", [(3, 3), (4, 2), (6, 2), (8, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
@@ -268,22 +289,22 @@ def test_dispatcher_on_this_gpu():
 @pytest.mark.parametrize("rotate", [(), ("q",), ("k",), ("q", "k"), ("v",), ("q", "v"), ("k", "v"), ("q", "k", "v")],
                          ids=lambda r: "".join(r) or "plain")
 def test_sm90_backward_accuracy_contract(rotate, dtype, heads, head_dim, poisoned_outputs, monkeypatch):
-    """The Hopper kernels (checked to run) on odd lengths, at each head dim they take, without and with GQA (odd
-    and even groups), plain and with every rotate choice: the accuracy contract against float64."""
-    calls = []
-    hopper = backends.BACKENDS["sm90-gluon"]
-    monkeypatch.setitem(backends.BACKENDS, "sm90-gluon", dataclasses.replace(
-        hopper, backward=lambda *args: calls.append(1) or hopper.backward(*args)))
-    q, k, v, do, offsets = random_inputs(random_lengths(6, 400, 64), *heads, head_dim, dtype, "cuda")
-    sinu_pos = random_angles(q.shape[0], head_dim, dtype, "cuda") if rotate else None
-    rotary = {"sinu_pos": sinu_pos, "rotate": rotate} if rotate else {}
-    results = public_op(q, k, v, do, offsets, 64, **rotary)
-    assert calls == [1]
-    mask = rotate_mask(rotate) if rotate else 0
-    assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=mask)
-    exact = reference_grads(q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=mask)
-    for name, got, ref in zip(("dq", "dk", "dv"), results[1:], exact[1:]):
-        assert snr_db(got, ref) > 45, f"{name}: SNR {snr_db(got, ref):.1f} dB"
+    """One warpgroup (64-token blocks, D <= 128), without and with GQA (odd and even groups), plain and with every
+    rotate choice."""
+    check_sm90_backward(64, head_dim, heads, dtype, rotate, monkeypatch)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_size,head_dim,heads", [
+    (64, 256, (3, 3)), (64, 256, (6, 2)), (64, 256, (8, 1)), (128, 32, (3, 3)), (128, 32, (6, 2)),
+    (128, 64, (3, 3)), (128, 64, (4, 2)), (128, 64, (8, 1)), (128, 128, (3, 3)), (128, 128, (1, 1))],
+    ids=lambda x: f"{x[0]}:{x[1]}" if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rotate", [(), ("q", "k"), ("v",), ("q", "k", "v")], ids=lambda r: "".join(r) or "plain")
+def test_sm90_backward_two_warpgroups(rotate, dtype, block_size, head_dim, heads, poisoned_outputs, monkeypatch):
+    """Two warpgroups: 128-token blocks (warpgroups down the rows), D = 256 at 64-token blocks (side by side along
+    the columns), without and with GQA (odd and even groups, MQA), plain and rotary."""
+    check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")

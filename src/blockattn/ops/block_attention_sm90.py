@@ -76,8 +76,8 @@ from .tiles import (
     softmax_probs,
 )
 
-_BLOCK_SIZE = 64
-_HEAD_DIMS = (32, 64, 128)
+# The head dims each block size takes, without and with GQA (see why_not).
+_HEAD_DIMS = {64: ((32, 64, 128, 256), (32, 64, 128, 256)), 128: ((32, 64, 128), (32, 64))}
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # The dropout's Philox calls, [BS, BS / 4] (four words each, interleaved along the keys): rows over 8 lanes and
 # the 4 warps, 4 calls a thread along the row (in_block.dropout_factors).
@@ -100,18 +100,30 @@ def _unpairs(even, odd):
 
 
 @gluon.constexpr_function
-def _rows_layout(width):
-    """``[rows, width]`` tiles with 8 consecutive elements a thread (one 16-byte access at 16 bits, two at fp32),
-    the rest of a warp and the 4 warps over the rows: where the rotary turns a tile."""
-    return gl.BlockedLayout([1, 8], [32 * 8 // width, width // 8], [4, 1], [1, 0])
+def _mma_layout(rows, cols, warps):
+    """The wgmma accumulator layout of a ``[rows, cols]`` tile over ``warps`` warps: warps down the rows, 16 each,
+    and where a warpgroup has more rows than it needs (8 warps on 64 rows), the warpgroups side by side along the
+    columns, so that each holds half the accumulator."""
+    row_warps = min(warps, rows // 16)
+    col_warps = warps // row_warps
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[row_warps, col_warps],
+                                     instr_shape=[16, cols // col_warps, 16])
 
 
 @gluon.constexpr_function
-def _pair_layout(width):
+def _rows_layout(width, warps):
+    """``[rows, width]`` tiles with 8 consecutive elements a thread (one 16-byte access at 16 bits, two at fp32),
+    the rest of a warp and the ``warps`` warps over the rows: where the rotary turns a tile."""
+    return gl.BlockedLayout([1, 8], [32 * 8 // width, width // 8], [warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _pair_layout(width, warps):
     """The pair halves (:func:`_pairs`) of a :func:`_rows_layout` tile: 4 consecutive pairs a thread, whose angles
     load 16 bytes at a time (in the products' layout each pair's angle was a load of its own, 8 cache lines a warp:
     those loads set the rotary kernels' time)."""
-    return gl.SliceLayout(2, gl.BlockedLayout([1, 4, 2], [32 * 8 // width, width // 8, 1], [4, 1, 1], [2, 1, 0]))
+    return gl.SliceLayout(2, gl.BlockedLayout([1, 4, 2], [32 * 8 // width, width // 8, 1], [warps, 1, 1],
+                                              [2, 1, 0]))
 
 
 @gluon.jit
@@ -121,7 +133,7 @@ def _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK: gl.constexpr, 
     COL0 + WIDTH)`` in :func:`_pair_layout` (zeros past the block's end), and which rows are the block's. Without
     ``ROTATE`` no angle is loaded: ``sin`` and ``cos`` are stand-ins, never read (a function cannot return
     None)."""
-    layout: gl.constexpr = _pair_layout(WIDTH)
+    layout: gl.constexpr = _pair_layout(WIDTH, gl.num_warps())
     rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
     row_ok = (rows < length)[:, None]
     if ROTATE != 0:
@@ -140,7 +152,7 @@ def _prepare_tile(tile, sin, cos, row_ok, ROTATE: gl.constexpr, partial):
     """Rotate a landed tile in place by the angles of its columns (:func:`_angles`) when ``ROTATE`` (in fp32,
     rounded back as an unfused rotary would have stored it); either way rows past the block's end become zeros,
     so that the next block's rows add nothing, not even a NaN."""
-    layout: gl.constexpr = _rows_layout(tile.shape[1])
+    layout: gl.constexpr = _rows_layout(tile.shape[1], gl.num_warps())
     if ROTATE:
         x = tile.load(layout)
         even, odd = _pairs(x)
@@ -161,7 +173,7 @@ def _store_gradient(acc, stage, stage32, base, stride_n, length, sin, cos, ROTAT
     written: through ``stage`` (a tile of the inputs' dtype no longer read), or, for a rotated operand
     (``ROTATE``), turned back in fp32 by its columns' angles (``sin -> -sin``) after staging it as it is in
     ``stage32`` (fp32 shared memory no longer read)."""
-    layout: gl.constexpr = _rows_layout(acc.shape[1])
+    layout: gl.constexpr = _rows_layout(acc.shape[1], gl.num_warps())
     if ROTATE:
         stage32.store(acc)
         even, odd = _pairs(stage32.load(layout))
@@ -333,11 +345,9 @@ def _block_attention_bwd_sm90_kernel(
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    # One warpgroup: score tiles and gradient tiles in the wgmma accumulator layouts.
-    scores_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BLOCK, 16])
-    grad_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, D, 16])
+    # Score tiles and gradient tiles in the wgmma accumulator layouts (one warpgroup, or two: _num_warps).
+    scores_layout: gl.constexpr = _mma_layout(BLOCK, BLOCK, gl.num_warps())
+    grad_layout: gl.constexpr = _mma_layout(BLOCK, D, gl.num_warps())
 
     pid = gl.program_id(0)
     head = pid % NUM_HEADS
@@ -450,10 +460,8 @@ def _block_attention_bwd_sm90_gqa_kernel(
     D: gl.constexpr = q_desc.block_type.shape[1]
     W: gl.constexpr = D // PARTS
     dtype: gl.constexpr = q_desc.dtype
-    scores_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BLOCK, 16])
-    part_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, W, 16])
+    scores_layout: gl.constexpr = _mma_layout(BLOCK, BLOCK, gl.num_warps())
+    part_layout: gl.constexpr = _mma_layout(BLOCK, W, gl.num_warps())
 
     pid = gl.program_id(0)
     kv_head = pid % NUM_KV_HEADS
@@ -550,18 +558,34 @@ def _block_attention_bwd_sm90_gqa_kernel(
                             ROTATE_K & ROTATE)
 
 
+def _num_warps(block_size: int, head_dim: int) -> int:
+    """One warpgroup at 64-token blocks up to D = 128; two past that, where one warpgroup's accumulators would
+    spill: at 128-token blocks the score tiles are [128, 128] (64 registers a thread each for S and dP over two
+    warpgroups), at D = 256 the gradient tiles [64, 256] (64 registers a thread over two warpgroups side by side,
+    where one would need 128 for each)."""
+    return 4 if block_size == 64 and head_dim <= 128 else 8
+
+
 def why_not(call) -> str | None:
     """Why these kernels do not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: they take
-    64-token blocks at D = 32, 64 or 128, with or without GQA, 16-bit inputs that TMA can read and gradients laid
-    out as ``[N, H * D]`` rows, with or without a rotary, with or without the in-block options. Both biases
-    together under GQA stay with the Triton kernels: there the group's accumulators and the biases' gradients spill
-    registers, 40.6 ms against 34.6 with a causal mask (8 query heads on 2 kv heads, D = 128, `ads` lengths,
-    H100)."""
+    16-bit inputs that TMA can read and gradients laid out as ``[N, H * D]`` rows, with or without a rotary, at
+    64-token blocks with D = 32, 64, 128 or 256, at 128-token blocks with D = 32, 64 or 128 (32 or 64 under GQA:
+    at D = 128 the group's [128, 128] accumulators and the score tiles need 256 registers a thread, and at D = 256
+    without GQA the four [128, 256] tiles do not fit in shared memory). The in-block options at 64-token blocks and
+    D <= 128 only, where one warpgroup runs (their tile code's layouts assume it); both biases together under GQA
+    stay with the Triton kernels: there the group's accumulators and the biases' gradients spill registers, 40.6 ms
+    against 34.6 with a causal mask (8 query heads on 2 kv heads, D = 128, `ads` lengths, H100)."""
     both_biases = POS_BIAS.value | TIME_BIAS.value
-    if call.num_heads != call.num_kv_heads and call.in_block & both_biases == both_biases:
+    gqa = call.num_heads != call.num_kv_heads
+    if gqa and call.in_block & both_biases == both_biases:
         return "takes the position and time biases together without GQA only (the Triton kernels are faster)"
-    if call.block_size != _BLOCK_SIZE or call.head_dim not in _HEAD_DIMS:
-        return f"takes {_BLOCK_SIZE}-token blocks at D in {_HEAD_DIMS} only"
+    if call.block_size not in _HEAD_DIMS:
+        return f"takes block sizes {tuple(_HEAD_DIMS)} only"
+    head_dims = _HEAD_DIMS[call.block_size][gqa]
+    if call.head_dim not in head_dims:
+        return f"takes D in {head_dims} at {call.block_size}-token blocks{' under GQA' if gqa else ''}"
+    if call.in_block and _num_warps(call.block_size, call.head_dim) != 4:
+        return "takes the in-block options at 64-token blocks with D <= 128 only"
     if call.dtype not in _GL_DTYPES:
         return "takes float16 and bfloat16 only"
     if not call.tma_rows:
@@ -570,13 +594,13 @@ def why_not(call) -> str | None:
 
 
 @functools.cache
-def _tile_layout(head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([_BLOCK_SIZE, head_dim], _GL_DTYPES[dtype])
+def _tile_layout(block_size: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([block_size, head_dim], _GL_DTYPES[dtype])
 
 
-def _descriptor(t: torch.Tensor) -> TensorDescriptor:
+def _descriptor(t: torch.Tensor, block_size: int) -> TensorDescriptor:
     n, h, d = t.shape
-    return TensorDescriptor(t, [n, h * d], [t.stride(0), 1], [_BLOCK_SIZE, d], _tile_layout(d, t.dtype))
+    return TensorDescriptor(t, [n, h * d], [t.stride(0), 1], [block_size, d], _tile_layout(block_size, d, t.dtype))
 
 
 def _time_bins(options: InBlock, head_dim: int) -> int:
@@ -586,7 +610,7 @@ def _time_bins(options: InBlock, head_dim: int) -> int:
     return min(head_dim, max(32, 1 << (width - 1).bit_length()))
 
 
-def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, head_dim: int) -> dict:
+def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, block_size: int, head_dim: int) -> dict:
     """168 registers a thread, three programs an SM where the tiles' shared memory allows it, in two cases (`ads`
     lengths):
 
@@ -601,7 +625,7 @@ def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, head_dim: i
     both = options.pos_bias is not None and options.time_bias is not None
     if both and options.dropout_p == 0 and not rotate and not gqa:
         return {"maxnreg": 168}
-    if gqa and head_dim == 64 and options.bits == 0:
+    if gqa and block_size == 64 and head_dim == 64 and options.bits == 0:
         return {"maxnreg": 168}
     return {}
 
@@ -622,19 +646,20 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     if h == kv_heads:
         kernel, heads = _block_attention_bwd_sm90_kernel, {"NUM_HEADS": h, "TIME_BINS": _time_bins(options, d)}
     else:
-        # Column halves at D = 128, whole rows below (H100, `ads` lengths, times over the floor: at D = 128 plain
+        # Column halves from D = 128, whole rows below (H100, `ads` lengths, times over the floor: at D = 128 plain
         # 1.02x either way, with a rotary and fp32 angles 1.80-1.92x against 1.86-2.47x for whole rows; at D = 64
         # plain 1.06-1.10x against 1.13-1.15x in halves, with a rotary 1.75-1.92x against 2.02-2.14x).
         kernel = _block_attention_bwd_sm90_gqa_kernel
-        heads = {"NUM_KV_HEADS": kv_heads, "GROUP": h // kv_heads, "PARTS": 2 if d == 128 else 1}
+        heads = {"NUM_KV_HEADS": kv_heads, "GROUP": h // kv_heads, "PARTS": 2 if d >= 128 else 1}
     launch(
         kernel, (table.num_slots * kv_heads,),
-        q_desc=_descriptor(q), k_desc=_descriptor(k), v_desc=_descriptor(v), do_desc=_descriptor(grad_out),
+        q_desc=_descriptor(q, block_size), k_desc=_descriptor(k, block_size), v_desc=_descriptor(v, block_size),
+        do_desc=_descriptor(grad_out, block_size),
         dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, sinu_ptr=sinu_ptr,
         **table.kernel_args(offsets), num_tokens=n, scale=scale, qk_scale_log2=scale * LOG2E,
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
         stride_sn=stride_sn, stride_sd=stride_sd, dpos_ptr=partials[0], dtime_ptr=partials[1],
-        **in_block.call_args(options, q, offsets, table, block_size), **heads, ROTATE=rotate, num_warps=4,
-        **_backward_register_cap(options, rotate, h != kv_heads, d),
+        **in_block.call_args(options, q, offsets, table, block_size), **heads, ROTATE=rotate,
+        num_warps=_num_warps(block_size, d), **_backward_register_cap(options, rotate, h != kv_heads, block_size, d),
     )
     return in_block.summed_bias_grads(options, partials)
