@@ -2,6 +2,7 @@
 
 import dataclasses
 import fcntl
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -234,9 +235,9 @@ def test_fused_rotary_backward_is_bitwise_deterministic(heads):
 
 
 def test_dispatcher_on_this_gpu():
-    """On this GPU the Hopper kernels take the backward of 64- and 128-token blocks, D = 128, with or without GQA
-    (at 64-token blocks), 16-bit tensors that TMA reads as [N, H * D] rows, with or without a rotary (on other GPUs
-    the Triton kernels do); the forward and every other backward run the Triton kernels."""
+    """On this GPU the Hopper kernels take the backward of 64- and 128-token blocks, D = 128, with or without GQA,
+    16-bit tensors that TMA reads as [N, H * D] rows, with or without a rotary (on other GPUs the Triton kernels
+    do); the forward and every other backward run the Triton kernels."""
     q, k, v, do, _ = random_inputs([100], 3, 3, 128, torch.bfloat16, "cuda")
 
     def chosen(pass_name, q, k, v, do, grads, block_size, rotate):
@@ -244,14 +245,13 @@ def test_dispatcher_on_this_gpu():
         return backends.select(call).name
 
     production = "sm90-gluon" if ON_HOPPER else "triton"
-    for rotate in (0, 1, ROTATE_ALL):
-        assert chosen("bwd", q, k, v, do, (q, k, v), 64, rotate) == production
-        assert chosen("bwd", q, k[:, :1], v[:, :1], do, (q, k[:, :1], v[:, :1]), 64, rotate) == production  # GQA
-        assert chosen("fwd", q, k, v, do, (), 64, rotate) == "triton"
+    for rotate, block_size in itertools.product((0, 1, ROTATE_ALL), (64, 128)):
+        assert chosen("bwd", q, k, v, do, (q, k, v), block_size, rotate) == production
+        gqa = (q, k[:, :1], v[:, :1], do, (q, k[:, :1], v[:, :1]), block_size, rotate)
+        assert chosen("bwd", *gqa) == production
+        assert chosen("fwd", q, k, v, do, (), block_size, rotate) == "triton"
     padded_heads = torch.randn(100, 3, 136, dtype=torch.bfloat16, device="cuda")[..., :128]
     odd_rows = torch.randn(100, 385, dtype=torch.bfloat16, device="cuda")[:, :384].view(100, 3, 128)
-    for block_size in (64, 128):
-        assert chosen("bwd", q, k, v, do, (q, k, v), block_size, ROTATE_ALL) == production
     for other in [
         (q, k, v, do, (q, k, v), 32, ROTATE_ALL),
         (*(t.float() for t in (q, k, v, do)), (q, k, v), 64, ROTATE_ALL),
@@ -297,13 +297,16 @@ def test_sm90_backward_accuracy_contract(rotate, dtype, heads, head_dim, poisone
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("block_size,head_dim,heads", [
     (64, 256, (3, 3)), (64, 256, (6, 2)), (64, 256, (8, 1)), (128, 32, (3, 3)), (128, 32, (6, 2)),
-    (128, 64, (3, 3)), (128, 64, (4, 2)), (128, 64, (8, 1)), (128, 128, (3, 3)), (128, 128, (1, 1))],
+    (128, 64, (3, 3)), (128, 64, (4, 2)), (128, 64, (8, 1)), (128, 128, (3, 3)), (128, 128, (1, 1)),
+    (128, 128, (6, 2)), (128, 128, (8, 1))],
     ids=lambda x: f"{x[0]}:{x[1]}" if isinstance(x, tuple) else str(x))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rotate", [(), ("q", "k"), ("v",), ("q", "k", "v")], ids=lambda r: "".join(r) or "plain")
 def test_sm90_backward_two_warpgroups(rotate, dtype, block_size, head_dim, heads, poisoned_outputs, monkeypatch):
-    """Two warpgroups: 128-token blocks (warpgroups down the rows), D = 256 at 64-token blocks (side by side along
-    the columns), without and with GQA (odd and even groups, MQA), plain and rotary."""
+    """Two or four warpgroups: 128-token blocks (warpgroups down the rows; four under GQA at D = 128), D = 256 at
+    64-token blocks (side by side along the columns), without and with GQA (odd and even groups, MQA), plain and
+    rotary; without GQA at 128-token blocks and D <= 64 one program runs every head of a block in turn (3 heads:
+    the loop's two buffers, each used twice over)."""
     check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
 
 

@@ -17,6 +17,13 @@ angles in their place it ran as fast as the plain kernel).
 Under GQA, one program per (block, kv head): k and v land and turn once, the group's query heads run in turn with
 the next head's q and dO landing in a second buffer, and dk and dv accumulate in registers across the group.
 
+One warpgroup runs 64-token blocks up to D = 128. Past that one warpgroup's accumulators would spill, so two run
+(:func:`_num_warps`): at 128-token blocks down the rows of [128, 128] score tiles, at D = 256 side by side along
+the columns of [64, 256] gradient tiles; under GQA at 128-token blocks and D = 128, four. Where the score tiles'
+registers hold an SM to one program (128-token blocks, D <= 64), one program without GQA runs every head of its
+block in turn, the next head's four tiles landing in a second buffer (:func:`_heads_per_program`): otherwise its
+loads, products and stores take turns.
+
 Both take the in-block options (causal mask, position and time biases, dropout): the Triton kernels' own tile
 code (``in_block.tile_probs_and_grads``) runs on the score tile in the products' layout, the dropout's Philox words
 computed while the products run and brought to that layout, and the position bias's gradient gathering dS along
@@ -41,6 +48,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -77,7 +85,7 @@ from .tiles import (
 )
 
 # The head dims each block size takes, without and with GQA (see why_not).
-_HEAD_DIMS = {64: ((32, 64, 128, 256), (32, 64, 128, 256)), 128: ((32, 64, 128), (32, 64))}
+_HEAD_DIMS = {64: ((32, 64, 128, 256), (32, 64, 128, 256)), 128: ((32, 64, 128), (32, 64, 128))}
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # The dropout's Philox calls, [BS, BS / 4] (four words each, interleaved along the keys): rows over 8 lanes and
 # the 4 warps, 4 calls a thread along the row (in_block.dropout_factors).
@@ -329,6 +337,17 @@ def _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scal
 
 
 @gluon.jit
+def _load_tiles(q_desc, k_desc, v_desc, do_desc, row, col, tiles, buf, landed):
+    """One head's q, k, v and dO tiles by TMA into buffer ``buf`` of ``tiles``, counted on its barrier."""
+    bar = landed.index(buf)
+    mbarrier.expect(bar, 4 * q_desc.block_type.nbytes)
+    tma_load(q_desc, [row, col], bar, tiles.index(4 * buf))
+    tma_load(k_desc, [row, col], bar, tiles.index(4 * buf + 1))
+    tma_load(v_desc, [row, col], bar, tiles.index(4 * buf + 2))
+    tma_load(do_desc, [row, col], bar, tiles.index(4 * buf + 3))
+
+
+@gluon.jit
 def _block_attention_bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_ptr, dk_ptr, dv_ptr, sinu_ptr,
     block_seq_ptr, block_cum_ptr, offsets_ptr,
@@ -336,84 +355,101 @@ def _block_attention_bwd_sm90_kernel(
     stride_dqn, stride_dkn, stride_dvn, stride_sn, stride_sd,
     dpos_ptr, dtime_ptr, pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr,
     stride_tbh, stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale,
-    NUM_HEADS: gl.constexpr, ROTATE: gl.constexpr, IN_BLOCK: gl.constexpr, TIME_BINS: gl.constexpr,
+    NUM_HEADS: gl.constexpr, HEADS: gl.constexpr, ROTATE: gl.constexpr, IN_BLOCK: gl.constexpr,
+    TIME_BINS: gl.constexpr,
 ):
-    # Heads vary fastest, as in the Triton kernels. ROTATE is a bit mask (tiles.ROTATE_Q/K/V) of the rotated operands.
-    # IN_BLOCK: the in-block options, as in the Triton kernels (their arguments ``mods``). The biases' gradients are
-    # summed at the end, where the registers of the products are free and shared memory is dead: the time bias's
-    # TIME_BINS buckets a pass (_sums_in_bins).
+    # One program per block and HEADS of its heads, heads fastest. With HEADS > 1 the next head's four tiles land in
+    # a second buffer while this one computes, and the angles load once for them all. ROTATE is a bit mask
+    # (tiles.ROTATE_Q/K/V) of the rotated operands. IN_BLOCK: the in-block options, as in the Triton kernels (their
+    # arguments ``mods``), with one head a program: the biases' gradients are summed at the end, where the
+    # registers of the products are free and shared memory is dead (the time bias's TIME_BINS buckets a pass,
+    # _sums_in_bins, use the tiles' memory).
+    gl.static_assert(HEADS == 1 or IN_BLOCK == 0)
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
+    BUFFERS: gl.constexpr = 2 if HEADS > 1 else 1
+    PROGRAMS_PER_BLOCK: gl.constexpr = (NUM_HEADS + HEADS - 1) // HEADS
     # Score tiles and gradient tiles in the wgmma accumulator layouts (one warpgroup, or two: _num_warps).
     scores_layout: gl.constexpr = _mma_layout(BLOCK, BLOCK, gl.num_warps())
     grad_layout: gl.constexpr = _mma_layout(BLOCK, D, gl.num_warps())
 
     pid = gl.program_id(0)
-    head = pid % NUM_HEADS
-    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, pid // NUM_HEADS, num_seqs, num_tokens,
-                                 BLOCK)
+    slot = pid // PROGRAMS_PER_BLOCK
+    head0 = (pid % PROGRAMS_PER_BLOCK) * HEADS
+    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK)
     mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
             stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
     if length > 0:
-        tiles = gl.allocate_shared_memory(dtype, [4, BLOCK, D], q_desc.layout)
+        tiles = gl.allocate_shared_memory(dtype, [4 * BUFFERS, BLOCK, D], q_desc.layout)
         probs = gl.allocate_shared_memory(dtype, [BLOCK, BLOCK], gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK],
                                                                                                        dtype))
-        landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(landed, count=1)
-        q = tiles.index(0)
-        k = tiles.index(1)
-        v = tiles.index(2)
-        do = tiles.index(3)
-        mbarrier.expect(landed, 4 * q_desc.block_type.nbytes)
+        landed = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(BUFFERS):
+            mbarrier.init(landed.index(i), count=1)
         row = start.to(gl.int32)
-        col = head * D
-        tma_load(q_desc, [row, col], landed, q)
-        tma_load(k_desc, [row, col], landed, k)
-        tma_load(v_desc, [row, col], landed, v)
-        tma_load(do_desc, [row, col], landed, do)
-
-        # The angles turn the operands and the gradients; loaded while the tiles land.
+        _load_tiles(q_desc, k_desc, v_desc, do_desc, row, head0 * D, tiles, 0, landed)
+        # A rotated operand's gradient is staged in fp32 where a buffer's v and dO were (both read by then).
+        stage32 = tiles._reinterpret(gl.float32, [2 * BUFFERS, BLOCK, D],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float32))
+        # The angles turn the operands and the gradients of every head; loaded while the first tiles land.
         sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, D, 0, D // 2, ROTATE)
         partial = length < BLOCK
-        mbarrier.wait(landed, 0)
-        mbarrier.invalidate(landed)
-        _prepare_tile(q, sin, cos, row_ok, ROTATE_Q & ROTATE, partial)
-        _prepare_tile(k, sin, cos, row_ok, ROTATE_K & ROTATE, partial)
-        _prepare_tile(v, sin, cos, row_ok, ROTATE_V & ROTATE, partial)
-        _prepare_tile(do, sin, cos, row_ok, 0, partial)
-        fence_async_shared()
-        # A rotated operand's gradient is staged in fp32 where v and dO were (both read by then).
-        stage32 = tiles._reinterpret(gl.float32, [2, BLOCK, D],
-                                     gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float32)).index(1)
+        count = gl.minimum(HEADS, NUM_HEADS - head0)
+        for i in range(count):
+            buf = i % BUFFERS
+            head = head0 + i
+            col = head * D
+            if i + 1 < count:
+                # Every thread is done with the other buffer (the previous head's products and staging) before
+                # TMA overwrites it.
+                fence_async_shared()
+                barrier()
+                _load_tiles(q_desc, k_desc, v_desc, do_desc, row, col + D, tiles, 1 - buf, landed)
+            q = tiles.index(4 * buf)
+            k = tiles.index(4 * buf + 1)
+            v = tiles.index(4 * buf + 2)
+            do = tiles.index(4 * buf + 3)
+            stage = stage32.index(2 * buf + 1)
+            mbarrier.wait(landed.index(buf), (i // BUFFERS) & 1)
+            _prepare_tile(q, sin, cos, row_ok, ROTATE_Q & ROTATE, partial)
+            _prepare_tile(k, sin, cos, row_ok, ROTATE_K & ROTATE, partial)
+            _prepare_tile(v, sin, cos, row_ok, ROTATE_V & ROTATE, partial)
+            _prepare_tile(do, sin, cos, row_ok, 0, partial)
+            fence_async_shared()
 
-        p, ds, ds32 = _probs_and_grads(q, k, v, do, start, length, head, pid, scale, qk_scale_log2, mods, dpos_ptr,
-                                       dtime_ptr, scores_layout, IN_BLOCK, 0)
-        probs.store(p)
-        fence_async_shared()
-        zeros = gl.zeros([BLOCK, D], gl.float32, grad_layout)
-        dv = warpgroup_mma(probs.permute((1, 0)), do, zeros, use_acc=False, is_async=True)
-        dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
-        probs.store(ds)
-        fence_async_shared()
-        _store_gradient(dv, do, stage32, dv_ptr + start * stride_dvn + col, stride_dvn, length, sin, cos,
-                        ROTATE_V & ROTATE)
-        dk = warpgroup_mma(probs.permute((1, 0)), q, zeros, use_acc=False, is_async=True)
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
-        _store_gradient(dk, v, stage32, dk_ptr + start * stride_dkn + col, stride_dkn, length, sin, cos,
-                        ROTATE_K & ROTATE)
-        dq = warpgroup_mma(probs, k, zeros, use_acc=False, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        _store_gradient(dq, q, stage32, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos,
-                        ROTATE_Q & ROTATE)
-        if (POS_BIAS | TIME_BIAS) & IN_BLOCK:
-            offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
-            offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
-            if POS_BIAS & IN_BLOCK:
-                write_pos_bias_grad(ds32, pid, length > 0, dpos_ptr, offs_i, offs_j, BLOCK, _rows_in_warps)
-            if TIME_BIAS & IN_BLOCK:
-                bucket = bucket_tile(start, start + offs_i, offs_i < length, offs_j, mods)
-                _sums_in_bins(ds32, bucket, dtime_ptr + pid.to(gl.int64) * num_buckets, num_buckets, TIME_BINS)
+            slot_head = slot * NUM_HEADS + head
+            p, ds, ds32 = _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scale_log2, mods,
+                                           dpos_ptr, dtime_ptr, scores_layout, IN_BLOCK, 0)
+            probs.store(p)
+            fence_async_shared()
+            zeros = gl.zeros([BLOCK, D], gl.float32, grad_layout)
+            dv = warpgroup_mma(probs.permute((1, 0)), do, zeros, use_acc=False, is_async=True)
+            dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
+            probs.store(ds)
+            fence_async_shared()
+            _store_gradient(dv, do, stage, dv_ptr + start * stride_dvn + col, stride_dvn, length, sin, cos,
+                            ROTATE_V & ROTATE)
+            dk = warpgroup_mma(probs.permute((1, 0)), q, zeros, use_acc=False, is_async=True)
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+            _store_gradient(dk, v, stage, dk_ptr + start * stride_dkn + col, stride_dkn, length, sin, cos,
+                            ROTATE_K & ROTATE)
+            dq = warpgroup_mma(probs, k, zeros, use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+            _store_gradient(dq, q, stage, dq_ptr + start * stride_dqn + col, stride_dqn, length, sin, cos,
+                            ROTATE_Q & ROTATE)
+            if (POS_BIAS | TIME_BIAS) & IN_BLOCK:
+                offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
+                offs_j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout))
+                if POS_BIAS & IN_BLOCK:
+                    write_pos_bias_grad(ds32, slot_head, length > 0, dpos_ptr, offs_i, offs_j, BLOCK,
+                                        _rows_in_warps)
+                if TIME_BIAS & IN_BLOCK:
+                    bucket = bucket_tile(start, start + offs_i, offs_i < length, offs_j, mods)
+                    _sums_in_bins(ds32, bucket, dtime_ptr + slot_head.to(gl.int64) * num_buckets, num_buckets,
+                                  TIME_BINS)
+        for i in gl.static_range(BUFFERS):
+            mbarrier.invalidate(landed.index(i))
 
 
 @gluon.jit
@@ -558,20 +594,32 @@ def _block_attention_bwd_sm90_gqa_kernel(
                             ROTATE_K & ROTATE)
 
 
-def _num_warps(block_size: int, head_dim: int) -> int:
-    """One warpgroup at 64-token blocks up to D = 128; two past that, where one warpgroup's accumulators would
+def _num_warps(block_size: int, head_dim: int, gqa: bool) -> int:
+    """One warpgroup at 64-token blocks up to D = 128; more past that, where one warpgroup's accumulators would
     spill: at 128-token blocks the score tiles are [128, 128] (64 registers a thread each for S and dP over two
     warpgroups), at D = 256 the gradient tiles [64, 256] (64 registers a thread over two warpgroups side by side,
-    where one would need 128 for each)."""
-    return 4 if block_size == 64 and head_dim <= 128 else 8
+    where one would need 128 for each). Under GQA at 128-token blocks and D = 128 the group's [128, 128] dk and dv
+    join the score tiles: four warpgroups, 32 registers a thread for each of the four."""
+    if block_size == 64 and head_dim <= 128:
+        return 4
+    return 16 if gqa and block_size == 128 and head_dim == 128 else 8
+
+
+def _heads_per_program(block_size: int, head_dim: int, num_heads: int, options: InBlock) -> int:
+    """Heads of a block one program of the non-GQA kernel runs in turn, the next head's tiles landing while one
+    computes: all of them at 128-token blocks with D <= 64, where the score tiles' registers hold an SM to one
+    program and its loads, products and stores would otherwise take turns (H100, 8 heads, `ads`-like lengths,
+    backward over its floor, 1 / 2 / 4 / 8 heads a program: D = 64 1.49 / 1.24 / 1.16 / 1.17x, D = 32 2.40 / 1.88 /
+    1.71 / 1.65x; with fp32 angles, read once for all heads, 1.96 -> 1.53x and 2.77 -> 2.06x). One head a program
+    elsewhere (64-token blocks at D = 64: 1.04x either way), and with in-block options."""
+    return num_heads if block_size == 128 and head_dim <= 64 and options.bits == 0 else 1
 
 
 def why_not(call) -> str | None:
     """Why these kernels do not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: they take
-    16-bit inputs that TMA can read and gradients laid out as ``[N, H * D]`` rows, with or without a rotary, at
-    64-token blocks with D = 32, 64, 128 or 256, at 128-token blocks with D = 32, 64 or 128 (32 or 64 under GQA:
-    at D = 128 the group's [128, 128] accumulators and the score tiles need 256 registers a thread, and at D = 256
-    without GQA the four [128, 256] tiles do not fit in shared memory). The in-block options at 64-token blocks and
+    16-bit inputs that TMA can read and gradients laid out as ``[N, H * D]`` rows, with or without GQA, with or
+    without a rotary, at 64-token blocks with D = 32, 64, 128 or 256 and at 128-token blocks with D = 32, 64 or 128
+    (at D = 256 the four [128, 256] tiles do not fit in shared memory). The in-block options at 64-token blocks and
     D <= 128 only, where one warpgroup runs (their tile code's layouts assume it); both biases together under GQA
     stay with the Triton kernels: there the group's accumulators and the biases' gradients spill registers, 40.6 ms
     against 34.6 with a causal mask (8 query heads on 2 kv heads, D = 128, `ads` lengths, H100)."""
@@ -584,7 +632,7 @@ def why_not(call) -> str | None:
     head_dims = _HEAD_DIMS[call.block_size][gqa]
     if call.head_dim not in head_dims:
         return f"takes D in {head_dims} at {call.block_size}-token blocks{' under GQA' if gqa else ''}"
-    if call.in_block and _num_warps(call.block_size, call.head_dim) != 4:
+    if call.in_block and _num_warps(call.block_size, call.head_dim, gqa) != 4:
         return "takes the in-block options at 64-token blocks with D <= 128 only"
     if call.dtype not in _GL_DTYPES:
         return "takes float16 and bfloat16 only"
@@ -644,15 +692,19 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         return in_block.summed_bias_grads(options, partials)
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     if h == kv_heads:
-        kernel, heads = _block_attention_bwd_sm90_kernel, {"NUM_HEADS": h, "TIME_BINS": _time_bins(options, d)}
+        per_program = _heads_per_program(block_size, d, h, options)
+        programs = table.num_slots * triton.cdiv(h, per_program)
+        kernel = _block_attention_bwd_sm90_kernel
+        heads = {"NUM_HEADS": h, "HEADS": per_program, "TIME_BINS": _time_bins(options, d)}
     else:
         # Column halves from D = 128, whole rows below (H100, `ads` lengths, times over the floor: at D = 128 plain
         # 1.02x either way, with a rotary and fp32 angles 1.80-1.92x against 1.86-2.47x for whole rows; at D = 64
         # plain 1.06-1.10x against 1.13-1.15x in halves, with a rotary 1.75-1.92x against 2.02-2.14x).
         kernel = _block_attention_bwd_sm90_gqa_kernel
         heads = {"NUM_KV_HEADS": kv_heads, "GROUP": h // kv_heads, "PARTS": 2 if d >= 128 else 1}
+        programs = table.num_slots * kv_heads
     launch(
-        kernel, (table.num_slots * kv_heads,),
+        kernel, (programs,),
         q_desc=_descriptor(q, block_size), k_desc=_descriptor(k, block_size), v_desc=_descriptor(v, block_size),
         do_desc=_descriptor(grad_out, block_size),
         dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, sinu_ptr=sinu_ptr,
@@ -660,6 +712,6 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
         stride_sn=stride_sn, stride_sd=stride_sd, dpos_ptr=partials[0], dtime_ptr=partials[1],
         **in_block.call_args(options, q, offsets, table, block_size), **heads, ROTATE=rotate,
-        num_warps=_num_warps(block_size, d), **_backward_register_cap(options, rotate, h != kv_heads, block_size, d),
+        num_warps=_num_warps(block_size, d, h != kv_heads), **_backward_register_cap(options, rotate, h != kv_heads, block_size, d),
     )
     return in_block.summed_bias_grads(options, partials)
