@@ -306,7 +306,7 @@ def test_sm90_backward_two_warpgroups(rotate, dtype, block_size, head_dim, heads
     """Two or four warpgroups: 128-token blocks (warpgroups down the rows; four under GQA at D = 128), D = 256 at
     64-token blocks (side by side along the columns), without and with GQA (odd and even groups, MQA), plain and
     rotary; without GQA at 128-token blocks and D <= 64 one program runs every head of a block in turn (3 heads:
-    the loop's two buffers, each used twice over)."""
+    the first buffer twice, its barrier's phase flipped)."""
     check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
 
 

@@ -40,7 +40,10 @@ the rotary backward at the ``ads-rotary`` shape 1.18x -> 1.05x on an H100 and 1.
 backward on an H200 1.12x -> 1.01x (``ads``); under GQA at ``ads`` lengths, D = 128, 2 to 8 query heads per kv
 head, 1.25-1.68x -> 1.01-1.04x on an H100 and 1.74-2.37x -> 1.05-1.17x on an H200 (with a rotary and fp32 angles
 2.12-2.52x -> 1.79-1.90x, and 1.27-1.28x since the angles load 16 bytes a thread; H200 2.89-3.47x -> 2.51-2.70x ->
-1.68-1.74x).
+1.68-1.74x). Past one warpgroup (H100, 2026-11-28, 8 query heads, backward over its floor, against the Triton
+kernels in the same process): 128-token blocks without GQA 1.17-1.66x (1.55-2.85x), under GQA at D = 64 1.88x
+(2.23x at 8:2); D = 256 at 64-token blocks 1.04-1.12x (1.38-3.17x), with a rotary and fp32 angles 1.64x (5.75x
+at 8:2).
 """
 
 from __future__ import annotations
@@ -84,8 +87,8 @@ from .tiles import (
     softmax_probs,
 )
 
-# The head dims each block size takes, without and with GQA (see why_not).
-_HEAD_DIMS = {64: ((32, 64, 128, 256), (32, 64, 128, 256)), 128: ((32, 64, 128), (32, 64, 128))}
+# The head dims each block size takes (see why_not).
+_HEAD_DIMS = {64: (32, 64, 128, 256), 128: (32, 64, 128)}
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # The dropout's Philox calls, [BS, BS / 4] (four words each, interleaved along the keys): rows over 8 lanes and
 # the 4 warps, 4 calls a thread along the row (in_block.dropout_factors).
@@ -599,7 +602,9 @@ def _num_warps(block_size: int, head_dim: int, gqa: bool) -> int:
     spill: at 128-token blocks the score tiles are [128, 128] (64 registers a thread each for S and dP over two
     warpgroups), at D = 256 the gradient tiles [64, 256] (64 registers a thread over two warpgroups side by side,
     where one would need 128 for each). Under GQA at 128-token blocks and D = 128 the group's [128, 128] dk and dv
-    join the score tiles: four warpgroups, 32 registers a thread for each of the four."""
+    join the score tiles: four warpgroups, 32 registers a thread for each of the four (H100, 8 query heads, 3.43-3.91x
+    the floor against 3.52-4.42x for the Triton kernels). Two warpgroups there measured 2.13x (8:4) and 2.35x (8:2)
+    after the GPU tests had run with four, and stay untested (docs/benchmarks.md, 2026-11-28)."""
     if block_size == 64 and head_dim <= 128:
         return 4
     return 16 if gqa and block_size == 128 and head_dim == 128 else 8
@@ -609,8 +614,8 @@ def _heads_per_program(block_size: int, head_dim: int, num_heads: int, options: 
     """Heads of a block one program of the non-GQA kernel runs in turn, the next head's tiles landing while one
     computes: all of them at 128-token blocks with D <= 64, where the score tiles' registers hold an SM to one
     program and its loads, products and stores would otherwise take turns (H100, 8 heads, `ads`-like lengths,
-    backward over its floor, 1 / 2 / 4 / 8 heads a program: D = 64 1.49 / 1.24 / 1.16 / 1.17x, D = 32 2.40 / 1.88 /
-    1.71 / 1.65x; with fp32 angles, read once for all heads, 1.96 -> 1.53x and 2.77 -> 2.06x). One head a program
+    backward over its floor, 1 / 2 / 4 / 8 heads a program: D = 64 1.50 / 1.25 / 1.17 / 1.17x, D = 32 2.40 / 1.89 /
+    1.72 / 1.66x; with fp32 angles, read once for all heads, 1.96 -> 1.54x and 2.75 -> 2.08x). One head a program
     elsewhere (64-token blocks at D = 64: 1.04x either way), and with in-block options."""
     return num_heads if block_size == 128 and head_dim <= 64 and options.bits == 0 else 1
 
@@ -629,9 +634,8 @@ def why_not(call) -> str | None:
         return "takes the position and time biases together without GQA only (the Triton kernels are faster)"
     if call.block_size not in _HEAD_DIMS:
         return f"takes block sizes {tuple(_HEAD_DIMS)} only"
-    head_dims = _HEAD_DIMS[call.block_size][gqa]
-    if call.head_dim not in head_dims:
-        return f"takes D in {head_dims} at {call.block_size}-token blocks{' under GQA' if gqa else ''}"
+    if call.head_dim not in _HEAD_DIMS[call.block_size]:
+        return f"takes D in {_HEAD_DIMS[call.block_size]} at {call.block_size}-token blocks"
     if call.in_block and _num_warps(call.block_size, call.head_dim, gqa) != 4:
         return "takes the in-block options at 64-token blocks with D <= 128 only"
     if call.dtype not in _GL_DTYPES:
@@ -712,6 +716,7 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
         stride_sn=stride_sn, stride_sd=stride_sd, dpos_ptr=partials[0], dtime_ptr=partials[1],
         **in_block.call_args(options, q, offsets, table, block_size), **heads, ROTATE=rotate,
-        num_warps=_num_warps(block_size, d, h != kv_heads), **_backward_register_cap(options, rotate, h != kv_heads, block_size, d),
+        num_warps=_num_warps(block_size, d, h != kv_heads),
+        **_backward_register_cap(options, rotate, h != kv_heads, block_size, d),
     )
     return in_block.summed_bias_grads(options, partials)
