@@ -86,6 +86,7 @@ def test_cli_custom_workload():
     (["--sweep", "--preset", "ads"], "--sweep times its own grid"),
     (["--sweep", "--heads", "4", "--rotary"], "it takes no --heads, --rotary"),
     (["--sweep", "--block-size", "48"], "argument --block-size: invalid choice: 48"),
+    (["--sweep", "--pass", "fwdbwd"], "--sweep times the forward and the backward apart: --pass fwd, bwd or all"),
     (["--preset", "ads", "--dtype", "float8_e4m3fn"], "--dtype float8_e4m3fn applies to --sweep only"),
     (["--options", "--rotary"], "--options times its own baselines on the plain op; it takes no --rotary"),
     (["--options", "--preset", "ads", "short"], "--options times one workload, got 2"),
@@ -590,6 +591,27 @@ def test_sweep_on_the_cpu(fake_gpu, tmp_path):
     assert json.loads(paths[0].read_text())["results"] == report["results"]
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sweep.print_report(report, make_console(io.StringIO()))
+
+
+def test_sweep_times_one_pass_when_asked(fake_gpu, tmp_path):
+    """``--pass bwd``: the backward alone, fp8 configurations (forward only) left out; ``--pass fwd``: the forward
+    alone. The heatmap then has one row of panels."""
+    configs = sweep.grid(block_sizes=(16,), head_dims=(32,), kv_heads=(2,), dtypes=("bfloat16", sweep.FP8))
+    elements = sweep.NUM_HEADS * 32 * 1000
+    backward = sweep.run(configs, rep_ms=1, query_elements=elements, device="cpu", passes=("bwd",))
+    assert backward["passes"] == ["bwd"] and not backward["failed"]
+    assert len(backward["results"]) == 3 and {r["dtype"] for r in backward["results"]} == {"bfloat16"}
+    assert all("bwd" in r and "fwd" not in r for r in backward["results"])
+    forward = sweep.run(configs, rep_ms=1, query_elements=elements, device="cpu", passes=("fwd",))
+    assert len(forward["results"]) == 6 and all("fwd" in r and "bwd" not in r for r in forward["results"])
+    import matplotlib.pyplot as plt
+
+    figure = sweep.heatmap(backward)
+    assert len(figure.axes) == 3 + 1  # a panel per rotary choice, and the colour bar
+    plt.close(figure)
+    out = io.StringIO()
+    sweep.print_report(backward, make_console(out))
+    assert "bfloat16" in out.getvalue()
 
 
 def test_baselines_say_why_not_here():

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=None,
                        help='workloads to time, from docs/semantics.md, "Workloads" (default: ads; with custom '
                             "shape flags: none)")
-    bench.add_argument("--pass", dest="passes", choices=sorted(PASS_CHOICES), default="all")
+    bench.add_argument("--pass", dest="passes", choices=sorted(PASS_CHOICES), default="all",
+                       help="the passes to time (default: all; --sweep: fwd, bwd or all)")
     bench.add_argument("--dtype", choices=["bfloat16", "float16", "float8_e4m3fn"], default=None,
                        help="override the dtype (float8_e4m3fn: --sweep only, its forward)")
     bench.add_argument("--seqs", type=at_least(1), help="custom workload: number of sequences")
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="time every configuration instead: block size x head dim x GQA ratio x dtype x rotary "
                             "(none, fp32 angles, angles in the inputs' dtype), forward and backward replayed as CUDA "
                             "graphs, over each one's memory floor; --block-size, --head-dim, --kv-heads and --dtype "
-                            "restrict an axis to one value; writes sweep.json and sweep.png")
+                            "restrict an axis to one value, --pass to one pass; writes sweep.json and sweep.png")
     bench.add_argument("--baselines", nargs="*", choices=list(BASELINES), metavar="NAME", default=None,
                        help="baselines to run (default: all): " + ", ".join(f"'{b}'" for b in BASELINES))
     bench.add_argument("--rep-ms", type=at_least(1), default=300, help="time spent repeating each measurement")
@@ -306,7 +307,8 @@ def sweep_bench(args: argparse.Namespace) -> int:
     configs = sweep.grid(**{axis: (value,) for axis, value in axes.items() if value is not None})
     console = make_console()
     with Progress(console=console, transient=True) as progress:
-        report = sweep.run(configs, rep_ms=args.rep_ms, seed=args.seed, progress=progress)
+        report = sweep.run(configs, rep_ms=args.rep_ms, seed=args.seed, progress=progress,
+                           passes=sweep.PASSES if args.passes == "all" else (args.passes,))
     paths = sweep.write_files(report, args.out)
     sweep.print_report(report, console)
     for path in paths:
@@ -465,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                   + ["--options"] * args.options)
         if given:
             args.usage_error(f"--sweep times its own grid (restricted by --block-size, --head-dim, --kv-heads, "
-                             f"--dtype); it takes no {', '.join(given)}")
+                             f"--dtype, --pass); it takes no {', '.join(given)}")
+        if args.passes == "fwdbwd":
+            args.usage_error("--sweep times the forward and the backward apart: --pass fwd, bwd or all")
         return bench(args, [])
     if args.dtype == "float8_e4m3fn":
         args.usage_error("--dtype float8_e4m3fn applies to --sweep only (the fp8 forward's configurations)")

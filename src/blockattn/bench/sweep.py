@@ -14,7 +14,7 @@ time, measured 0.36 ms a call on an H100's host).
 
 The whole grid is 576 configurations, each compiling its kernels (28 of them took about 70 s on an H100 at
 ``--rep-ms 20``, so the grid about 25 minutes); ``--block-size``, ``--head-dim``, ``--kv-heads`` and ``--dtype``
-restrict its axes to split it across runs.
+restrict its axes to split it across runs, and ``--pass`` times the forward or the backward alone.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def _angles(config: Config, num_tokens: int, device, generator) -> torch.Tensor 
     return random_angles(num_tokens, config.head_dim, device, generator).to(config.angle_dtype)
 
 
-def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed: int, device: str) -> dict:
+def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed: int, device: str,
+             passes: tuple[str, ...] = PASSES) -> dict:
     w = config.workload(query_elements)
     case = harness.make_case(w, w.offsets(seed, device=device), seed)
     n = case.q.shape[0]
@@ -124,7 +125,9 @@ def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed
     if config.dtype == FP8:
         forward, floors["fwd"] = _fp8_forward(case, w, n, sinu_pos, angle_bytes, tbps)
     row = {**asdict(config), "tokens": n, "gqa": NUM_HEADS // config.kv_heads}
-    for pass_name, fn in zip(config.passes, (forward, backward)):
+    for pass_name, fn in {"fwd": forward, "bwd": backward}.items():
+        if pass_name not in config.passes or pass_name not in passes:
+            continue
         ms = harness.time_ms(harness.graphed(fn), rep_ms)
         flops = attention_flops(case.offsets, n, NUM_HEADS, config.head_dim, config.block_size, False,
                                 MATMULS[pass_name])
@@ -135,8 +138,11 @@ def _measure(config: Config, query_elements: int, rep_ms: int, tbps: float, seed
 
 
 def run(configs: list[Config], rep_ms: int, seed: int = 0, progress=None, query_elements: int = QUERY_ELEMENTS,
-        device: str = "cuda") -> dict:
-    """Every configuration; one that fails is recorded with its reason and the others still run."""
+        device: str = "cuda", passes: tuple[str, ...] = PASSES) -> dict:
+    """Every configuration, timing the ``passes`` it has (a configuration with none of them, the fp8 forward's
+    when only the backward is asked for, is left out); one that fails is recorded with its reason and the others
+    still run."""
+    configs = [c for c in configs if set(c.passes) & set(passes)]
     tbps = harness.copy_bandwidth_tbps(rep_ms)
     rows, failed = [], []
     task = progress.add_task("sweep", total=len(configs)) if progress else None
@@ -144,7 +150,7 @@ def run(configs: list[Config], rep_ms: int, seed: int = 0, progress=None, query_
         if progress:
             progress.update(task, description=f"sweep: {config}")
         try:
-            rows.append(_measure(config, query_elements, rep_ms, tbps, seed, device))
+            rows.append(_measure(config, query_elements, rep_ms, tbps, seed, device, passes))
         except Exception as error:  # noqa: BLE001 -- one configuration's failure is a result; the rest still run
             failed.append({**asdict(config), "status": harness.FAILED, "reason": harness.describe(error)})
         finally:
@@ -153,7 +159,7 @@ def run(configs: list[Config], rep_ms: int, seed: int = 0, progress=None, query_
         if progress:
             progress.advance(task)
     return {"environment": harness.environment(), "copy_bandwidth_tbps": tbps, "num_heads": NUM_HEADS,
-            "query_elements": query_elements, "results": rows, "failed": failed}
+            "query_elements": query_elements, "passes": list(passes), "results": rows, "failed": failed}
 
 
 def print_report(report: dict, console) -> None:
@@ -182,22 +188,24 @@ def print_report(report: dict, console) -> None:
 
 
 def heatmap(report: dict):
-    """One panel per (pass, dtype, rotary): block size and head dim down, GQA ratio across, x floor in colour."""
+    """One panel per (pass timed, dtype, rotary): block size and head dim down, GQA ratio across, x floor in
+    colour."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["results"]
+    passes = [p for p in PASSES if any(p in r for r in rows)]
     panels = sorted({(r["dtype"], r["rotary"]) for r in rows}, key=lambda p: (DTYPES.index(p[0]),
                                                                             ROTARY.index(p[1])))
     shapes = sorted({(r["block_size"], r["head_dim"]) for r in rows})
     ratios = sorted({r["gqa"] for r in rows})
-    fig, axes = plt.subplots(len(PASSES), len(panels), figsize=(3.2 * len(panels) + 1, 0.32 * len(shapes) * 2 + 2),
+    fig, axes = plt.subplots(len(passes), len(panels), figsize=(3.2 * len(panels) + 1, 0.32 * len(shapes) * 2 + 2),
                              squeeze=False, constrained_layout=True)
     by_key = {(r["dtype"], r["rotary"], r["block_size"], r["head_dim"], r["gqa"]): r for r in rows}
     image = None
-    for i, pass_name in enumerate(PASSES):
+    for i, pass_name in enumerate(passes):
         for j, (dtype, rotary) in enumerate(panels):
             values = [[by_key[(dtype, rotary, bs, d, g)][pass_name]["x_floor"]
                        if pass_name in by_key.get((dtype, rotary, bs, d, g), {}) else float("nan") for g in ratios]

@@ -492,9 +492,10 @@ def _block_attention_bwd_sm90_gqa_kernel(
     # One program per (block, kv head), kv heads fastest: k and v land (and turn) once, then the GROUP query heads
     # that share them run in turn, the next head's q and dO landing in a second buffer while this one computes.
     # dk and dv accumulate over the group in the products' registers and are stored once: no atomics, bitwise
-    # reproducible. At D = 128 the two accumulators take 128 registers a thread, so every column-wise step (dk,
-    # dv and dq products, turning q, storing gradients) runs in PARTS = 2 column halves, and the angles are loaded
-    # again where needed (an L1/L2 hit) rather than held across the loop: otherwise registers spill.
+    # reproducible. From D = 128 the two accumulators take 128 registers a thread of one warpgroup, so every
+    # column-wise step (dk, dv and dq products, turning q, storing gradients) runs in PARTS = 2 column halves, and
+    # the angles are loaded again where needed (an L1/L2 hit) rather than held across the loop: otherwise registers
+    # spill.
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     W: gl.constexpr = D // PARTS
