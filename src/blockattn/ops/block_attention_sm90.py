@@ -617,7 +617,9 @@ def _heads_per_program(block_size: int, head_dim: int, num_heads: int, options: 
     program and its loads, products and stores would otherwise take turns (H100, 8 heads, `ads`-like lengths,
     backward over its floor, 1 / 2 / 4 / 8 heads a program: D = 64 1.50 / 1.25 / 1.17 / 1.17x, D = 32 2.40 / 1.89 /
     1.72 / 1.66x; with fp32 angles, read once for all heads, 1.96 -> 1.54x and 2.75 -> 2.08x). One head a program
-    elsewhere (64-token blocks at D = 64: 1.04x either way), and with in-block options."""
+    elsewhere (64-token blocks at D = 64: 1.04x either way), and with in-block options. The rule does not look at
+    the batch: on a batch of fewer blocks than the GPU has SMs, a block's heads run in turn where they could have
+    run side by side (not measured)."""
     return num_heads if block_size == 128 and head_dim <= 64 and options.bits == 0 else 1
 
 
