@@ -157,7 +157,7 @@ def block_attention(
                                      checks.rotate_bits(rotate, sinu_pos), causal, pos_bias, timestamps, time_bias,
                                      float(time_bucket_width), float(dropout_p), _dropout_seed(dropout_p, q.device),
                                      *_table_args(table), q_descale, k_descale, v_descale, out_scale,
-                                     checks.fp8_out_dtype(q.dtype, out_dtype), time_buckets)
+                                     fp8.out_dtype_of(q.dtype, out_dtype), time_buckets)
     if nested:
         return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)
@@ -233,7 +233,7 @@ def qkv_block_attention(
         qkv = fp8.projection(x, w, bias, x_descale, w_descale, qkv_scale)
         return custom_ops.block_attention(*custom_ops.split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
                                           block_size, scale, rotate, *options, qkv_scale, qkv_scale, qkv_scale,
-                                          out_scale, checks.fp8_out_dtype(x.dtype, out_dtype), time_buckets)
+                                          out_scale, fp8.out_dtype_of(x.dtype, out_dtype), time_buckets)
     qkv = x @ w if bias is None else torch.addmm(bias, x, w)
     return custom_ops.qkv_block_attention(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate,
                                           *options, time_buckets)

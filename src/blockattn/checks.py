@@ -20,7 +20,7 @@ import torch
 
 from . import devices
 from .block_table import BlockLayout, BlockTable
-from .ops.fp8 import DEFAULT_OUT_DTYPE, FP8_DTYPE
+from .ops.fp8 import FP8_DTYPE, out_dtype_of
 from .ops.in_block import DEFAULT_BUCKET_WIDTH, MIN_BUCKET_WIDTH, bucket_dtype
 from .ops.tiles import ROTATE_BITS
 from .signatures import Signature
@@ -596,7 +596,7 @@ def block_attention_call(q, k, v, offsets_, block, scale, angles, rotate, causal
     attention(q, k, v, offsets_, block, scale)
     rotary_args(angles, rotate, q)
     in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q, block)
-    fp8_inference(q, k, v, (q_descale, k_descale, v_descale), fp8_out_dtype(q.dtype, out_dtype), out_scale,
+    fp8_inference(q, k, v, (q_descale, k_descale, v_descale), out_dtype_of(q.dtype, out_dtype), out_scale,
                   {"pos_bias": pos_bias, "time_bias": time_bias})
 
 
@@ -616,14 +616,8 @@ def qkv_block_attention_call(x, w, bias, num_heads, num_kv_heads, offsets_, bloc
     rotary_args(angles, rotate, q)
     in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, q, block)
     if x.dtype == FP8_DTYPE:
-        fp8_inference(q, k, v, (qkv_scale,) * 3, fp8_out_dtype(x.dtype, out_dtype), out_scale,
+        fp8_inference(q, k, v, (qkv_scale,) * 3, out_dtype_of(x.dtype, out_dtype), out_scale,
                       {"pos_bias": pos_bias, "time_bias": time_bias})
-
-
-def fp8_out_dtype(dtype: torch.dtype, out_dtype: torch.dtype | None) -> torch.dtype | None:
-    """The output's dtype of inputs of ``dtype``: bfloat16 when left out (None) for float8 inputs; as given
-    otherwise (None: the inputs' own)."""
-    return DEFAULT_OUT_DTYPE if dtype == FP8_DTYPE and out_dtype is None else out_dtype
 
 
 @once_per_signature

@@ -266,8 +266,7 @@ def _(q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal=False, pos_b
       time_bias=None, time_bucket_width=DEFAULT_BUCKET_WIDTH, dropout_p=0.0, dropout_seed=None, block_cum=None,
       block_seq=None, q_descale=None, k_descale=None, v_descale=None, out_scale=None, out_dtype=None,
       time_buckets=None):
-    default = fp8.DEFAULT_OUT_DTYPE if q.dtype == fp8.FP8_DTYPE else q.dtype
-    return (torch.empty_like(q, dtype=out_dtype or default),
+    return (torch.empty_like(q, dtype=fp8.out_dtype_of(q.dtype, out_dtype) or q.dtype),
             *_fwd_table_fakes(offsets, q.shape[0], block_size, block_cum),
             _buckets_fake(q, time_bias, time_buckets, block_size))
 

@@ -7,6 +7,7 @@ import math
 import torch
 
 from . import checks, custom_ops
+from .ops import fp8
 
 _DOC_COMMON = """
     Under ``causal``, query ``i`` sees keys ``j <= i`` (``causal_alignment="top_left"``, as
@@ -44,7 +45,7 @@ def _attend(q, k, v, cu_seqlens, max_seqlens, *, causal, causal_alignment, scale
     checks.flash_call(q, k, v, *cu_seqlens, *max_seqlens, causal, causal_alignment, scale, return_lse, out_dtype,
                       q_descale, k_descale, v_descale, variant)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out_dtype = checks.fp8_out_dtype(q.dtype, out_dtype) or q.dtype
+    out_dtype = fp8.out_dtype_of(q.dtype, out_dtype) or q.dtype
     out, lse = custom_ops.flash_attention(q, k, v, *cu_seqlens, *max_seqlens, scale, causal,
                                           causal_alignment == "bottom_right", out_dtype, q_descale, k_descale,
                                           v_descale, variant)

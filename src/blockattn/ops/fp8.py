@@ -26,6 +26,12 @@ FP8_MAX = 448.0
 DEFAULT_OUT_DTYPE = torch.bfloat16
 
 
+def out_dtype_of(dtype: torch.dtype, out_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The output's dtype of inputs of ``dtype``: bfloat16 when left out (None) for float8 inputs; as given
+    otherwise (None: the inputs' own)."""
+    return DEFAULT_OUT_DTYPE if dtype == FP8_DTYPE and out_dtype is None else out_dtype
+
+
 class Fp8Scales(NamedTuple):
     """The dequantisation of fp8 inputs (``q = q8 * q_descale``, ...; 1-element float32 tensors on the device) and
     the output: ``out_dtype``, with ``out_scale`` for an fp8 output (``out = out8 * out_scale``)."""
