@@ -75,7 +75,10 @@ def test_fp8_block_attention_needs_fp8_gpus(capability, gpu_capability):
 @pytest.mark.skipif(backends.sm90_ops is None, reason="this triton has no Gluon Hopper API")
 @pytest.mark.parametrize(
     "changes,reason",
-    [({"block_size": 32}, "block sizes (64, 128)"), ({"block_size": 128, "head_dim": 256}, "D in (32, 64, 128)"),
+    [({"block_size": 32, "in_block": 1}, "block sizes (64, 128), and 16 or 32 where they run 64-row tiles"),
+     ({"block_size": 16, "rotate": 7}, "block sizes (64, 128), and 16 or 32 where they run 64-row tiles"),
+     ({"block_size": 16, "head_dim": 16}, "D in (32, 64, 128, 256) at 16-token blocks"),
+     ({"block_size": 128, "head_dim": 256}, "D in (32, 64, 128)"),
      ({"head_dim": 96}, "D in (32, 64, 128, 256)"), ({"dtype": torch.float32}, "float16 and bfloat16"),
      ({"tma_rows": False}, "rows"), ({"pass_name": "fwd"}, "no fwd kernel"),
      ({"heads": (4, 2), "in_block": 6}, "biases together without GQA"),
@@ -85,10 +88,14 @@ def test_fp8_block_attention_needs_fp8_gpus(capability, gpu_capability):
 def test_hopper_backward_takes_only_its_shape(changes, reason, gpu_capability):
     gpu_capability((9, 0))
     for heads in ((4, 4), (4, 2), (8, 1)):
-        for block_size, head_dim in [(64, 32), (64, 64), (64, 128), (64, 256), (128, 32), (128, 64), (128, 128)]:
+        for block_size, head_dim in [(64, 32), (64, 64), (64, 128), (64, 256), (128, 32), (128, 64), (128, 128),
+                                     (16, 32), (16, 256), (32, 64), (32, 128)]:
             for rotate in (0, 7):
                 taken = call(heads=heads, head_dim=head_dim, block_size=block_size, rotate=rotate)
-                assert select(taken).name == "sm90-gluon"
+                # 16- and 32-token blocks where they run 64-row tiles: all but the rotary without GQA from
+                # D = 4 * block_size
+                tiles = block_size >= 64 or not rotate or heads[0] != heads[1] or head_dim < 4 * block_size
+                assert select(taken).name == ("sm90-gluon" if tiles else "triton")
         for options in (1, 2, 4, 8, 11, 13):  # causal, each bias, dropout, all but one bias
             assert select(call(heads=heads, head_dim=128, in_block=options)).name == "sm90-gluon"
         both_biases = call(heads=heads, head_dim=128, in_block=15)

@@ -235,25 +235,28 @@ def test_fused_rotary_backward_is_bitwise_deterministic(heads):
 
 
 def test_dispatcher_on_this_gpu():
-    """On this GPU the Hopper kernels take the backward of 64- and 128-token blocks, D = 128, with or without GQA,
-    16-bit tensors that TMA reads as [N, H * D] rows, with or without a rotary (on other GPUs the Triton kernels
-    do); the forward and every other backward run the Triton kernels."""
+    """On this GPU the Hopper kernels take the backward of every block size at D = 128 (16 and 32 tokens as 64-row
+    tiles, but for the rotary without GQA), with or without GQA, 16-bit tensors that TMA reads as [N, H * D] rows,
+    with or without a rotary (on other GPUs the Triton kernels do); the forward and every other backward run the
+    Triton kernels."""
     q, k, v, do, _ = random_inputs([100], 3, 3, 128, torch.bfloat16, "cuda")
+    narrow = random_inputs([100], 3, 3, 16, torch.bfloat16, "cuda")[:4]
 
     def chosen(pass_name, q, k, v, do, grads, block_size, rotate):
         call = AttentionCall.of(pass_name, q, k, block_size, rotate, tensors=(q, k, v, do), grads=grads)
         return backends.select(call).name
 
     production = "sm90-gluon" if ON_HOPPER else "triton"
-    for rotate, block_size in itertools.product((0, 1, ROTATE_ALL), (64, 128)):
-        assert chosen("bwd", q, k, v, do, (q, k, v), block_size, rotate) == production
+    for rotate, block_size in itertools.product((0, 1, ROTATE_ALL), (16, 32, 64, 128)):
+        tiles = block_size >= 64 or not rotate
+        assert chosen("bwd", q, k, v, do, (q, k, v), block_size, rotate) == (production if tiles else "triton")
         gqa = (q, k[:, :1], v[:, :1], do, (q, k[:, :1], v[:, :1]), block_size, rotate)
         assert chosen("bwd", *gqa) == production
         assert chosen("fwd", q, k, v, do, (), block_size, rotate) == "triton"
     padded_heads = torch.randn(100, 3, 136, dtype=torch.bfloat16, device="cuda")[..., :128]
     odd_rows = torch.randn(100, 385, dtype=torch.bfloat16, device="cuda")[:, :384].view(100, 3, 128)
     for other in [
-        (q, k, v, do, (q, k, v), 32, ROTATE_ALL),
+        (*narrow, narrow[:3], 16, ROTATE_ALL),  # D = 16
         (*(t.float() for t in (q, k, v, do)), (q, k, v), 64, ROTATE_ALL),
         (q[..., :64], k[..., :64], v[..., :64], do[..., :64], (q, k, v), 64, ROTATE_ALL),  # D 64 as strided views
         (padded_heads, k, v, do, (q, k, v), 64, ROTATE_ALL),  # heads not side by side: no [N, H * D] descriptor
@@ -303,10 +306,24 @@ def test_sm90_backward_accuracy_contract(rotate, dtype, heads, head_dim, poisone
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rotate", [(), ("q", "k"), ("v",), ("q", "k", "v")], ids=lambda r: "".join(r) or "plain")
 def test_sm90_backward_two_warpgroups(rotate, dtype, block_size, head_dim, heads, poisoned_outputs, monkeypatch):
-    """Two or four warpgroups: 128-token blocks (warpgroups down the rows; four under GQA at D = 128), D = 256 at
-    64-token blocks (side by side along the columns), without and with GQA (odd and even groups, MQA), plain and
-    rotary; without GQA at 128-token blocks and D <= 64 one program runs every head of a block in turn (3 heads:
-    the first buffer twice, its barrier's phase flipped)."""
+    """Two warpgroups: 128-token blocks (warpgroups down the rows; under GQA at D = 128 the group's dk and dv in
+    column halves), D = 256 at 64-token blocks (side by side along the columns), without and with GQA (odd and even
+    groups, MQA), plain and rotary; without GQA at 128-token blocks and D <= 64 one program runs every head of a
+    block in turn (3 heads: the first buffer twice, its barrier's phase flipped)."""
+    check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_size,head_dim,heads,rotate", [
+    (block_size, head_dim, heads, rotate)
+    for block_size in (16, 32) for head_dim in (32, 64, 128, 256) for heads in ((3, 3), (6, 2), (8, 1))
+    for rotate in ((), ("q", "k"), ("q", "k", "v"))
+    if heads[0] != heads[1] or not rotate or head_dim < 4 * block_size],  # where tiles.blocks_per_tile packs them
+    ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sm90_backward_blocks_in_tiles(dtype, block_size, head_dim, heads, rotate, poisoned_outputs, monkeypatch):
+    """16- and 32-token blocks, 4 or 2 to a 64-row tile (``tiles.blocks_per_tile``), the forward's Triton tiles
+    too: odd lengths, so that tiles hold blocks of several sequences, partial blocks and padding slots."""
     check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
 
 

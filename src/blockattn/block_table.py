@@ -36,9 +36,16 @@ class BlockTable(NamedTuple):
                 "num_seqs": offsets.numel() - 1}
 
 
+# Grid slots come in whole groups of this many: the kernels that run 4 blocks a program (``ops.tiles.
+# blocks_per_tile``) read the slots of a group without a bound.
+SLOT_GROUP = 4
+
+
 def max_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
-    """Upper bound on the number of blocks: ``sum ceil(len_b / BS) <= (N + B * (BS - 1)) // BS``."""
-    return (num_tokens + num_seqs * (block_size - 1)) // block_size
+    """Upper bound on the number of blocks, ``sum ceil(len_b / BS) <= (N + B * (BS - 1)) // BS``, rounded up to a
+    multiple of :data:`SLOT_GROUP` (the rest are padding slots)."""
+    bound = (num_tokens + num_seqs * (block_size - 1)) // block_size
+    return -(-bound // SLOT_GROUP) * SLOT_GROUP
 
 
 @triton.jit

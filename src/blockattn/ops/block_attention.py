@@ -20,9 +20,14 @@ dropout) change the score tile between the products and the softmax (``ops.in_bl
 ``block_probs_and_grads``); they run in the forward and the one-block backward (the persistent backward takes none).
 With a time bias a kernel first writes the call's table of time buckets (``ops.in_block.bucket_table_kernel``).
 
-On Hopper GPUs the dispatcher (``backends``) sends the backward of 64-token blocks at D = 32, 64 and 128 (16-bit,
-with or without GQA), plain or rotary, with or without the in-block options (under GQA not both biases together),
-to Gluon kernels instead (``block_attention_sm90``). The PyTorch path is in ``block_attention_torch``.
+The forward runs 16- and 32-token blocks four or two to a program, in one 64-row tile whose scores are masked to
+each row's block (``BLOCKS``; ``tiles.blocks_per_tile`` says where), with the 64-token launch rule; the backward's
+Triton kernels run one block a program.
+
+On Hopper GPUs the dispatcher (``backends``) sends the backward of 64- and 128-token blocks (16-bit, with or without
+GQA), plain or rotary, with or without the in-block options at 64-token blocks (under GQA not both biases
+together), and of 16- and 32-token blocks in 64-row tiles, to Gluon kernels instead (``block_attention_sm90``, which
+says which head dims). The PyTorch path is in ``block_attention_torch``.
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ from .tiles import (
     grad_scores,
     in_block_rows,
     rotary_operand,
+    same_block,
     softmax_probs,
     store_tile,
+    tile_bounds,
     tile_mask,
     tile_ptrs,
 )
@@ -143,7 +150,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit
     forward with a fused rotary under GQA, one program per query head, takes 8 at 64-token blocks and D >= 128
     (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now applies to D > 128), else 4.
-    Where the rule has no measurement (16- and 32-token blocks) it keeps 4.
+    16- and 32-token blocks keep 4 where they run one block a program (no measurement); in 64-row tiles the
+    launcher asks for the 64-token rule (``tiles.blocks_per_tile``).
 
     With a fused rotary the kernels work on pair halves, which must be at least 16 wide for the tensor cores:
     slices are at least 32 columns and at most 64 x 128 elements, and the backward does not run persistent (1.72x
@@ -256,7 +264,7 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
                       stride_oh, stride_sn, stride_sd, mods, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
                       NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr,
-                      HEADS: tl.constexpr, SHARED_KV: tl.constexpr, GROUP_STAGES: tl.constexpr):
+                      HEADS: tl.constexpr, SHARED_KV: tl.constexpr, GROUP_STAGES: tl.constexpr, keys):
     """The forward of one (block, head) on pair halves, the operands named by ROTATE turned after loading (fp8
     inputs: in fp16, ``out_factor`` their output's descale); with ``HEADS`` > 1 (one slice), of query heads
     ``head ...`` on the block's angles read once, and on k and v read and turned once where they share them
@@ -282,7 +290,7 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
             q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE_Q & ROTATE, elem_ty, INLINE_ASM)
             scores = _pair_dot(q_even, q_odd, k_even, k_odd, tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32),
                                DOT_PRECISION)
-            p = block_probs(scores, start, head + g, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK)
+            p = block_probs(scores, start, head + g, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK, keys)
             p = p.to(v_even.dtype)
             o_even = _descaled(tl.dot(p, v_even, input_precision=DOT_PRECISION), out_factor, FP8,
                                o_ptr.dtype.element_ty)
@@ -305,7 +313,7 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
         q_even, q_odd = _operand_halves(q_words, sin, cos, ROTATE_Q & ROTATE, elem_ty, INLINE_ASM)
         k_even, k_odd = _operand_halves(k_words, sin, cos, ROTATE_K & ROTATE, elem_ty, INLINE_ASM)
         scores = _pair_dot(q_even, q_odd, k_even, k_odd, scores, DOT_PRECISION)
-    p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK)
+    p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK, keys)
     if FP8:
         p = p.to(tl.float16)
     else:
@@ -327,7 +335,7 @@ def _fwd_group(q_ptr, k_base, v_base, o_ptr, start, first_head, rows, row_ok, he
                stride_qn, stride_qh, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_on, stride_oh,
                stride_od, mods, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
                DOT_PRECISION: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr, FP8_QK: tl.constexpr,
-               HEADS: tl.constexpr, GROUP_STAGES: tl.constexpr):
+               HEADS: tl.constexpr, GROUP_STAGES: tl.constexpr, keys):
     """The forward of query heads ``first_head ...`` of one kv head, whole rows: k and v read once for all."""
     mask = tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
     k = _widened(tl.load(tile_ptrs(k_base, rows, 0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0),
@@ -338,7 +346,7 @@ def _fwd_group(q_ptr, k_base, v_base, o_ptr, start, first_head, rows, row_ok, he
         q = _widened(tl.load(tile_ptrs(q_ptr + head * stride_qh, rows, 0, stride_qn, stride_qd, CHUNK), mask=mask,
                              other=0.0), FP8 and not FP8_QK)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK)
+        p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK, keys)
         o = _descaled(tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION), out_factor, FP8,
                       o_ptr.dtype.element_ty)
         store_tile(o_ptr + head * stride_oh, rows, 0, stride_on, stride_od, o, mask, CHUNK)
@@ -357,7 +365,7 @@ def _block_attention_fwd_kernel(
     pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh, stride_tbb,
     num_buckets, seed_ptr, keep_threshold, keep_scale,
     q_descale_ptr, k_descale_ptr, v_descale_ptr, out_scale_ptr,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr,
     FP8_QK: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, GROUP_STAGES: tl.constexpr,
@@ -371,15 +379,23 @@ def _block_attention_fwd_kernel(
     # HEADS_PER_PROGRAM > 1 (one head-dim slice): a program runs the query heads of one kv head in turn, on the k
     # and v tiles it loaded (and turned) once (_fwd_group; with a rotary _fwd_rotary_block), or without GQA, with a
     # rotary, consecutive heads on the angles it loaded once (_fwd_rotary_block).
+    # BLOCK_SIZE is the rows a program holds: BLOCKS blocks of BLOCK_SIZE // BLOCKS tokens (tiles.blocks_per_tile),
+    # each row's keys those of its block (``keys``), and no in-block option with more than one.
+    tl.static_assert(BLOCKS == 1 or IN_BLOCK == 0)
     PROGRAMS_PER_BLOCK: tl.constexpr = NUM_Q_HEADS // HEADS_PER_PROGRAM
     pid = tl.program_id(0)
     slot = pid // PROGRAMS_PER_BLOCK
     head = (pid % PROGRAMS_PER_BLOCK) * HEADS_PER_PROGRAM
-    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
+    start, length, second, third, fourth = tile_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs,
+                                                       num_tokens, BLOCK_SIZE, BLOCKS)
     if length <= 0:
         return
     offs = tl.arange(0, BLOCK_SIZE)
     row_ok = offs < length
+    if BLOCKS > 1:
+        keys = same_block(offs, offs, second, third, fourth)
+    else:
+        keys = None
     rows = start + offs
     kv_head = head // GROUP
     q_base = q_ptr + head * stride_qh
@@ -401,13 +417,13 @@ def _block_attention_fwd_kernel(
                           qk_scale_log2, out_factor, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                           stride_on, stride_oh, stride_sn, stride_sd, mods, BLOCK_SIZE, CHUNK, NUM_CHUNKS, EVEN_D,
                           DOT_PRECISION, ROTATE, INLINE_ASM, IN_BLOCK, FP8, HEADS_PER_PROGRAM, GROUP > 1,
-                          GROUP_STAGES)
+                          GROUP_STAGES, keys)
         return
     if HEADS_PER_PROGRAM > 1:
         _fwd_group(q_ptr, k_base, v_base, o_ptr, start, head, rows, row_ok, head_dim, qk_scale_log2, out_factor,
                    stride_qn, stride_qh, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_on, stride_oh,
                    stride_od, mods, BLOCK_SIZE, CHUNK, EVEN_D, DOT_PRECISION, IN_BLOCK, FP8, FP8_QK,
-                   HEADS_PER_PROGRAM, GROUP_STAGES)
+                   HEADS_PER_PROGRAM, GROUP_STAGES, keys)
         return
     scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
@@ -417,7 +433,7 @@ def _block_attention_fwd_kernel(
         k = _widened(tl.load(tile_ptrs(k_base, rows, c * CHUNK, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0),
                      FP8 and not FP8_QK)
         scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
-    p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK)
+    p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK, keys)
     if FP8:
         p = p.to(tl.float16)
     else:
@@ -812,7 +828,9 @@ def block_attention_fwd_triton(
     if table.num_slots == 0:
         return out
     group = hq // k.shape[1]
-    cfg = kernel_config(block_size, d, backward=False, group=group, element_size=q.element_size(),
+    blocks = tiles.blocks_per_tile(block_size, d, group, rotate != 0, options.bits, backward=False)
+    tile = block_size * blocks
+    cfg = kernel_config(tile, d, backward=False, group=group, element_size=q.element_size(),
                         rotary=bool(rotate), in_block_bits=options.bits, num_heads=hq,
                         fp32_angles=rotate != 0 and sinu_pos.dtype == torch.float32)
     fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
@@ -827,19 +845,19 @@ def block_attention_fwd_triton(
     heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     launch(
-        _block_attention_fwd_kernel, (table.num_slots * hq // heads,),
+        _block_attention_fwd_kernel, (triton.cdiv(table.num_slots, blocks) * hq // heads,),
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **table.kernel_args(offsets),
         num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
         stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
         **(fp8.no_scales_args(q) if fp8_scales is None else fp8_scales.kernel_args()), FP8=fp8_scales is not None,
         FP8_QK=fp8_qk_possible and fp8_dot is not False,
-        NUM_Q_HEADS=hq, GROUP=group, BLOCK_SIZE=block_size,
+        NUM_Q_HEADS=hq, GROUP=group, BLOCK_SIZE=tile, BLOCKS=blocks,
         CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
         DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q), HEADS_PER_PROGRAM=heads,
         GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
         num_warps=num_warps or cfg["NUM_WARPS"], num_stages=1,
-        **_register_cap(maxnreg or _forward_register_cap(cfg, q, block_size, rotate, options)),
+        **_register_cap(maxnreg or _forward_register_cap(cfg, q, tile, rotate, options)),
     )
     return out
 

@@ -19,10 +19,16 @@ the next head's q and dO landing in a second buffer, and dk and dv accumulate in
 
 One warpgroup runs 64-token blocks up to D = 128. Past that one warpgroup's accumulators would spill, so two run
 (:func:`_num_warps`): at 128-token blocks down the rows of [128, 128] score tiles, at D = 256 side by side along
-the columns of [64, 256] gradient tiles; under GQA at 128-token blocks and D = 128, four. Where the score tiles'
+the columns of [64, 256] gradient tiles. Where the score tiles'
 registers hold an SM to one program (128-token blocks, D <= 64), one program without GQA runs every head of its
 block in turn, the next head's four tiles landing in a second buffer (:func:`_heads_per_program`): otherwise its
 loads, products and stores take turns.
+
+16- and 32-token blocks run four or two to a program in one 64-row tile (``tiles.blocks_per_tile``): consecutive
+grid slots' blocks are consecutive rows, so the tile lands by TMA as a 64-token block would, and each row's keys
+are masked to its own block (``tiles.same_block``). The products do four (two) times the work, which the tensor
+cores have to spare there, and wgmma gets the 64 rows a warpgroup it needs (H100, 8 query heads, against the Triton
+kernels' one block a program: under GQA 1.28-2.91x -> 1.06-1.98x the floor).
 
 Both take the in-block options (causal mask, position and time biases, dropout): the Triton kernels' own tile
 code (``in_block.tile_probs_and_grads``) runs on the score tile in the products' layout, the dropout's Philox words
@@ -63,8 +69,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..block_table import BlockTable
-from . import in_block
-from .gluon_sm90 import barrier, tma_load
+from . import in_block, tiles
+from .gluon_sm90 import barrier, reinterpret, tma_load
 from .in_block import (
     DROPOUT,
     POS_BIAS,
@@ -81,10 +87,11 @@ from .tiles import (
     ROTATE_K,
     ROTATE_Q,
     ROTATE_V,
-    block_bounds,
     grad_scores,
     rotary_operand,
+    same_block,
     softmax_probs,
+    tile_bounds,
 )
 
 # The head dims each block size takes (see why_not).
@@ -307,10 +314,12 @@ def _sums_in_bins(ds, index, row_ptr, count, WIDTH: gl.constexpr):
 
 
 @gluon.jit
-def _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scale_log2, mods, dpos_ptr, dtime_ptr,
-                     scores_layout: gl.constexpr, IN_BLOCK: gl.constexpr, SUMMED: gl.constexpr):
-    """``(P, dS, dS in fp32)`` of one (block, query head), the first two in the inputs' dtype, from the landed
-    tiles, ``dS`` times ``scale``. With in-block options (``IN_BLOCK``, arguments ``mods``:
+def _probs_and_grads(q, k, v, do, start, length, later, head, slot_head, scale, qk_scale_log2, mods, dpos_ptr,
+                     dtime_ptr, scores_layout: gl.constexpr, BLOCKS: gl.constexpr, IN_BLOCK: gl.constexpr,
+                     SUMMED: gl.constexpr):
+    """``(P, dS, dS in fp32)`` of one (tile, query head), the first two in the inputs' dtype, from the landed
+    tiles, ``dS`` times ``scale``. A tile of ``BLOCKS`` blocks masks each row's keys to its block (``later``: where
+    the later blocks begin, ``tiles.tile_bounds``). With in-block options (``IN_BLOCK``, arguments ``mods``:
     ``in_block.kernel_args``) the Triton kernels' own tile code runs on this kernel's layouts, and the block's share
     of the gradients of the biases in ``SUMMED`` goes to row ``slot_head`` of the partial buffers."""
     BLOCK: gl.constexpr = q.shape[0]
@@ -332,7 +341,12 @@ def _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scal
                                            offs_j, offs_16, qk_scale_log2, scale, q.dtype, mods, dpos_ptr, dtime_ptr,
                                            BLOCK, IN_BLOCK, _rows_in_warps, SUMMED)
     else:
-        p = softmax_probs(scores, offs_j < length, qk_scale_log2)
+        if BLOCKS > 1:
+            offs_i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, scores_layout))
+            keys = same_block(offs_i, offs_j, later[0], later[1], later[2])
+        else:
+            keys = None
+        p = softmax_probs(scores, offs_j < length, qk_scale_log2, keys=keys)
         ds = grad_scores(p, dp, q.dtype, scale)  # before P is rounded: p and dp die sooner
         p = p.to(q.dtype)
         ds32 = dp  # not read
@@ -358,16 +372,18 @@ def _block_attention_bwd_sm90_kernel(
     stride_dqn, stride_dkn, stride_dvn, stride_sn, stride_sd,
     dpos_ptr, dtime_ptr, pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr,
     stride_tbh, stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale,
-    NUM_HEADS: gl.constexpr, HEADS: gl.constexpr, ROTATE: gl.constexpr, IN_BLOCK: gl.constexpr,
-    TIME_BINS: gl.constexpr,
+    NUM_HEADS: gl.constexpr, HEADS: gl.constexpr, BLOCKS: gl.constexpr, ROTATE: gl.constexpr,
+    IN_BLOCK: gl.constexpr, TIME_BINS: gl.constexpr,
 ):
     # One program per block and HEADS of its heads, heads fastest. With HEADS > 1 the next head's four tiles land in
     # a second buffer while this one computes, and the angles load once for them all. ROTATE is a bit mask
     # (tiles.ROTATE_Q/K/V) of the rotated operands. IN_BLOCK: the in-block options, as in the Triton kernels (their
     # arguments ``mods``), with one head a program: the biases' gradients are summed at the end, where the
     # registers of the products are free and shared memory is dead (the time bias's TIME_BINS buckets a pass,
-    # _sums_in_bins, use the tiles' memory).
+    # _sums_in_bins, use the tiles' memory). A "block" here is a tile of BLOCKS blocks (tiles.tile_bounds; no
+    # in-block option with more than one).
     gl.static_assert(HEADS == 1 or IN_BLOCK == 0)
+    gl.static_assert(BLOCKS == 1 or IN_BLOCK == 0)
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -380,7 +396,8 @@ def _block_attention_bwd_sm90_kernel(
     pid = gl.program_id(0)
     slot = pid // PROGRAMS_PER_BLOCK
     head0 = (pid % PROGRAMS_PER_BLOCK) * HEADS
-    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK)
+    start, length, second, third, fourth = tile_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs,
+                                                       num_tokens, BLOCK, BLOCKS)
     mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
             stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
     if length > 0:
@@ -393,8 +410,8 @@ def _block_attention_bwd_sm90_kernel(
         row = start.to(gl.int32)
         _load_tiles(q_desc, k_desc, v_desc, do_desc, row, head0 * D, tiles, 0, landed)
         # A rotated operand's gradient is staged in fp32 where a buffer's v and dO were (both read by then).
-        stage32 = tiles._reinterpret(gl.float32, [2 * BUFFERS, BLOCK, D],
-                                     gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float32))
+        stage32 = reinterpret(tiles, gl.float32, [2 * BUFFERS, BLOCK, D],
+                              gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float32))
         # The angles turn the operands and the gradients of every head; loaded while the first tiles land.
         sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, D, 0, D // 2, ROTATE)
         partial = length < BLOCK
@@ -422,8 +439,9 @@ def _block_attention_bwd_sm90_kernel(
             fence_async_shared()
 
             slot_head = slot * NUM_HEADS + head
-            p, ds, ds32 = _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scale_log2, mods,
-                                           dpos_ptr, dtime_ptr, scores_layout, IN_BLOCK, 0)
+            p, ds, ds32 = _probs_and_grads(q, k, v, do, start, length, (second, third, fourth), head, slot_head,
+                                           scale, qk_scale_log2, mods, dpos_ptr, dtime_ptr, scores_layout, BLOCKS,
+                                           IN_BLOCK, 0)
             probs.store(p)
             fence_async_shared()
             zeros = gl.zeros([BLOCK, D], gl.float32, grad_layout)
@@ -486,8 +504,8 @@ def _block_attention_bwd_sm90_gqa_kernel(
     stride_dqn, stride_dkn, stride_dvn, stride_sn, stride_sd,
     dpos_ptr, dtime_ptr, pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr,
     stride_tbh, stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale,
-    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, ROTATE: gl.constexpr, PARTS: gl.constexpr,
-    IN_BLOCK: gl.constexpr,
+    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, ROTATE: gl.constexpr,
+    PARTS: gl.constexpr, IN_BLOCK: gl.constexpr,
 ):
     # One program per (block, kv head), kv heads fastest: k and v land (and turn) once, then the GROUP query heads
     # that share them run in turn, the next head's q and dO landing in a second buffer while this one computes.
@@ -495,7 +513,8 @@ def _block_attention_bwd_sm90_gqa_kernel(
     # reproducible. From D = 128 the two accumulators take 128 registers a thread of one warpgroup, so every
     # column-wise step (dk, dv and dq products, turning q, storing gradients) runs in PARTS = 2 column halves, and
     # the angles are loaded again where needed (an L1/L2 hit) rather than held across the loop: otherwise registers
-    # spill.
+    # spill. A "block" is a tile of BLOCKS blocks, as in the kernel above.
+    gl.static_assert(BLOCKS == 1 or IN_BLOCK == 0)
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     W: gl.constexpr = D // PARTS
@@ -505,8 +524,8 @@ def _block_attention_bwd_sm90_gqa_kernel(
 
     pid = gl.program_id(0)
     kv_head = pid % NUM_KV_HEADS
-    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, pid // NUM_KV_HEADS, num_seqs,
-                                 num_tokens, BLOCK)
+    start, length, second, third, fourth = tile_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, pid // NUM_KV_HEADS,
+                                                       num_seqs, num_tokens, BLOCK, BLOCKS)
     mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
             stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
     if length > 0:
@@ -536,8 +555,8 @@ def _block_attention_bwd_sm90_gqa_kernel(
             _prepare_tile(v.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_V & ROTATE, partial)
         # A rotated operand's gradient is staged in fp32 where a buffer's q and dO were (both read by then): part c
         # of buffer b at index b * PARTS + c.
-        stage32 = heads._reinterpret(gl.float32, [2 * PARTS, BLOCK, W],
-                                     gl.NVMMASharedLayout.get_default_for([BLOCK, W], gl.float32))
+        stage32 = reinterpret(heads, gl.float32, [2 * PARTS, BLOCK, W],
+                              gl.NVMMASharedLayout.get_default_for([BLOCK, W], gl.float32))
 
         dk0 = gl.zeros([BLOCK, W], gl.float32, part_layout)
         dk1 = gl.zeros([BLOCK, W], gl.float32, part_layout)
@@ -565,8 +584,9 @@ def _block_attention_bwd_sm90_gqa_kernel(
 
             head = kv_head * GROUP + g
             slot_head = (pid // NUM_KV_HEADS) * (NUM_KV_HEADS * GROUP) + head
-            p, ds, _ = _probs_and_grads(q, k, v, do, start, length, head, slot_head, scale, qk_scale_log2, mods,
-                                        dpos_ptr, dtime_ptr, scores_layout, IN_BLOCK, POS_BIAS | TIME_BIAS)
+            p, ds, _ = _probs_and_grads(q, k, v, do, start, length, (second, third, fourth), head, slot_head, scale,
+                                        qk_scale_log2, mods, dpos_ptr, dtime_ptr, scores_layout, BLOCKS, IN_BLOCK,
+                                        POS_BIAS | TIME_BIAS)
             probs.store(p)
             fence_async_shared()
             dv0, dv1 = _product_parts(probs.permute((1, 0)), do, dv0, dv1, PARTS)
@@ -598,17 +618,14 @@ def _block_attention_bwd_sm90_gqa_kernel(
                             ROTATE_K & ROTATE)
 
 
-def _num_warps(block_size: int, head_dim: int, gqa: bool) -> int:
-    """One warpgroup at 64-token blocks up to D = 128; more past that, where one warpgroup's accumulators would
+def _num_warps(block_size: int, head_dim: int) -> int:
+    """One warpgroup at 64-token blocks up to D = 128; two past that, where one warpgroup's accumulators would
     spill: at 128-token blocks the score tiles are [128, 128] (64 registers a thread each for S and dP over two
     warpgroups), at D = 256 the gradient tiles [64, 256] (64 registers a thread over two warpgroups side by side,
     where one would need 128 for each). Under GQA at 128-token blocks and D = 128 the group's [128, 128] dk and dv
-    join the score tiles: four warpgroups, 32 registers a thread for each of the four (H100, 8 query heads, 3.43-3.91x
-    the floor against 3.52-4.42x for the Triton kernels). Two warpgroups there measured 2.13x (8:4) and 2.35x (8:2)
-    after the GPU tests had run with four, and stay untested (docs/benchmarks.md, 2026-11-28)."""
-    if block_size == 64 and head_dim <= 128:
-        return 4
-    return 16 if gqa and block_size == 128 and head_dim == 128 else 8
+    join the score tiles, in column halves (``PARTS``): two warpgroups there measured 2.14-2.46x the floor at 8:4
+    to 8:1 against 3.43-3.91x for four (H100, 8 query heads; H200 2.62-3.26x; docs/benchmarks.md, 2026-11-28)."""
+    return 4 if block_size == 64 and head_dim <= 128 else 8
 
 
 def _heads_per_program(block_size: int, head_dim: int, num_heads: int, options: InBlock) -> int:
@@ -627,19 +644,23 @@ def why_not(call) -> str | None:
     """Why these kernels do not take a Hopper backward ``call`` (``backends.AttentionCall``), or ``None``: they take
     16-bit inputs that TMA can read and gradients laid out as ``[N, H * D]`` rows, with or without GQA, with or
     without a rotary, at 64-token blocks with D = 32, 64, 128 or 256 and at 128-token blocks with D = 32, 64 or 128
-    (at D = 256 the four [128, 256] tiles do not fit in shared memory). The in-block options at 64-token blocks and
-    D <= 128 only, where one warpgroup runs (their tile code's layouts assume it); both biases together under GQA
-    stay with the Triton kernels: there the group's accumulators and the biases' gradients spill registers, 40.6 ms
-    against 34.6 with a causal mask (8 query heads on 2 kv heads, D = 128, `ads` lengths, H100)."""
+    (at D = 256 the four [128, 256] tiles do not fit in shared memory); 16- and 32-token blocks as 64-row tiles of
+    4 or 2 blocks where ``tiles.blocks_per_tile`` packs them, at D = 32-256. The in-block options at 64-token
+    blocks and D <= 128 only, where one warpgroup runs (their tile code's layouts assume it); both biases together
+    under GQA stay with the Triton kernels: there the group's accumulators and the biases' gradients spill
+    registers, 40.6 ms against 34.6 with a causal mask (8 query heads on 2 kv heads, D = 128, `ads` lengths,
+    H100)."""
     both_biases = POS_BIAS.value | TIME_BIAS.value
     gqa = call.num_heads != call.num_kv_heads
     if gqa and call.in_block & both_biases == both_biases:
         return "takes the position and time biases together without GQA only (the Triton kernels are faster)"
-    if call.block_size not in _HEAD_DIMS:
-        return f"takes block sizes {tuple(_HEAD_DIMS)} only"
-    if call.head_dim not in _HEAD_DIMS[call.block_size]:
-        return f"takes D in {_HEAD_DIMS[call.block_size]} at {call.block_size}-token blocks"
-    if call.in_block and _num_warps(call.block_size, call.head_dim, gqa) != 4:
+    tile = call.block_size * tiles.blocks_per_tile(call.block_size, call.head_dim, call.num_heads // call.num_kv_heads,
+                                                   call.rotate != 0, call.in_block, backward=True)
+    if tile not in _HEAD_DIMS:
+        return f"takes block sizes {tuple(_HEAD_DIMS)}, and 16 or 32 where they run 64-row tiles, only"
+    if call.head_dim not in _HEAD_DIMS[tile]:
+        return f"takes D in {_HEAD_DIMS[tile]} at {call.block_size}-token blocks"
+    if call.in_block and _num_warps(call.block_size, call.head_dim) != 4:
         return "takes the in-block options at 64-token blocks with D <= 128 only"
     if call.dtype not in _GL_DTYPES:
         return "takes float16 and bfloat16 only"
@@ -698,9 +719,12 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     if table.num_slots == 0:
         return in_block.summed_bias_grads(options, partials)
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
+    blocks = tiles.blocks_per_tile(block_size, d, h // kv_heads, rotate != 0, options.bits, backward=True)
+    tile = block_size * blocks
+    num_tiles = triton.cdiv(table.num_slots, blocks)
     if h == kv_heads:
-        per_program = _heads_per_program(block_size, d, h, options)
-        programs = table.num_slots * triton.cdiv(h, per_program)
+        per_program = _heads_per_program(tile, d, h, options)
+        programs = num_tiles * triton.cdiv(h, per_program)
         kernel = _block_attention_bwd_sm90_kernel
         heads = {"NUM_HEADS": h, "HEADS": per_program, "TIME_BINS": _time_bins(options, d)}
     else:
@@ -709,17 +733,17 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         # plain 1.06-1.10x against 1.13-1.15x in halves, with a rotary 1.75-1.92x against 2.02-2.14x).
         kernel = _block_attention_bwd_sm90_gqa_kernel
         heads = {"NUM_KV_HEADS": kv_heads, "GROUP": h // kv_heads, "PARTS": 2 if d >= 128 else 1}
-        programs = table.num_slots * kv_heads
+        programs = num_tiles * kv_heads
     launch(
         kernel, (programs,),
-        q_desc=_descriptor(q, block_size), k_desc=_descriptor(k, block_size), v_desc=_descriptor(v, block_size),
-        do_desc=_descriptor(grad_out, block_size),
+        q_desc=_descriptor(q, tile), k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile),
+        do_desc=_descriptor(grad_out, tile),
         dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, sinu_ptr=sinu_ptr,
         **table.kernel_args(offsets), num_tokens=n, scale=scale, qk_scale_log2=scale * LOG2E,
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
         stride_sn=stride_sn, stride_sd=stride_sd, dpos_ptr=partials[0], dtime_ptr=partials[1],
-        **in_block.call_args(options, q, offsets, table, block_size), **heads, ROTATE=rotate,
-        num_warps=_num_warps(block_size, d, h != kv_heads),
-        **_backward_register_cap(options, rotate, h != kv_heads, block_size, d),
+        **in_block.call_args(options, q, offsets, table, block_size), **heads, BLOCKS=blocks, ROTATE=rotate,
+        num_warps=_num_warps(tile, d),
+        **_backward_register_cap(options, rotate, h != kv_heads, tile, d),
     )
     return in_block.summed_bias_grads(options, partials)

@@ -404,9 +404,10 @@ def _write_time_bias_grad(ds, bucket, slot_head, write, dtime_ptr, num_buckets, 
 
 @triton.jit
 def block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE: tl.constexpr,
-                IN_BLOCK: tl.constexpr):
+                IN_BLOCK: tl.constexpr, keys=None):
     """The forward's probabilities of one (block, head), fp32: the softmax of the scaled, biased, masked scores,
-    times the dropout factors. ``mods``: the kernels' in-block arguments (:func:`kernel_args`) as one tuple."""
+    times the dropout factors. ``mods``: the kernels' in-block arguments (:func:`kernel_args`) as one tuple.
+    ``keys``: the keys of each row of a tile of several blocks (``tiles.same_block``; no in-block option then)."""
     offs = tl.arange(0, BLOCK_SIZE)
     if TIME_BIAS & IN_BLOCK:
         bucket = bucket_tile(start, rows, row_ok, offs, mods)
@@ -416,7 +417,7 @@ def block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SI
         p = softmax_probs(scores, row_ok, qk_scale_log2, _score_bias(head, bucket, mods, offs, offs, BLOCK_SIZE,
                                                                      IN_BLOCK))
     else:
-        p = softmax_probs(scores, row_ok, qk_scale_log2)
+        p = softmax_probs(scores, row_ok, qk_scale_log2, keys=keys)
     if DROPOUT & IN_BLOCK:
         p = p * dropout_factors(start, head, mods, offs, tl.arange(0, BLOCK_SIZE // 4), BLOCK_SIZE)
     return p

@@ -91,17 +91,99 @@ def block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_
     return start, length
 
 
+# Blocks of fewer tokens run this many rows to a program (see blocks_per_tile).
+TILE_ROWS = 64
+
+
+def blocks_per_tile(block_size: int, head_dim: int, group: int, rotary: bool, in_block_bits: int,
+                    backward: bool) -> int:
+    """Blocks a program of the forward, or of the Hopper backward, runs at once: 4 of 16 tokens or 2 of 32 in one
+    ``[64, 64]`` score tile masked to its blocks (:func:`tile_bounds`, :func:`same_block`), else 1. A grid slot's
+    block is in ``table`` order, so consecutive slots' blocks are consecutive rows, and a tile's rows are too.
+    Packed, these shapes take the 64-token kernels' launch rule (heads a program, warps) and, in the backward, the
+    Hopper kernels, which need 64 rows a warpgroup; alone, a 16-token block gives the tensor cores [16, 16] tiles
+    and under GQA reads k and v once per query head. Never with in-block options, whose tile code places a block's
+    tokens by their row in the tile.
+
+    Where it pays (H100 and H200, `ads`-like lengths, 8 query heads, bf16, time over the floor, one block a program
+    -> 64-row tiles, same process; docs/benchmarks.md, 2026-11-28):
+
+    - under GQA, the backward everywhere (H100 8:2 at D = 32-128 1.28-1.92x -> 1.06-1.35x, with a rotary and fp32
+      angles 1.84-2.91x -> 1.38-1.98x; H200 1.71-2.68x -> 1.13-1.88x), the forward up to D = 128 (H100 1.15-2.13x
+      -> 1.11-1.31x, rotary 1.98-3.34x -> 1.16-1.43x). At D = 256 a 64-row tile takes two head-dim slices and one
+      program per query head: the forward lost there (H100 16-token blocks 1.07-1.26x -> 1.24-1.54x);
+    - without GQA, the backward (H100 1.01-1.41x -> 1.01-1.17x) but for the rotary from D = 4 * block_size (16-token
+      blocks at D = 64, both at D = 128: H100 1.07-1.18x against 1.22-1.35x, H200 1.28-1.48x against 1.63-1.82x;
+      below, H100 32-token blocks at D = 64 1.31x -> 1.14x), and the rotary forward (H100 1.54-2.50x -> 1.10-1.49x);
+      not the plain forward, a tie or a loss (H100 32-token blocks at D = 32 1.23x against 1.40x, H200 16-token
+      blocks at D = 128 1.11x against 1.29x)."""
+    if block_size >= TILE_ROWS or in_block_bits:
+        return 1
+    if backward:
+        alone = group == 1 and rotary and head_dim >= 4 * block_size
+    else:
+        alone = not rotary if group == 1 else head_dim > 128
+    return 1 if alone else TILE_ROWS // block_size
+
+
+@triton.jit
+def _next_block(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, start, end,
+                BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
+    """Where slot ``slot``'s block begins in the tile that starts at row ``start`` (``TILE``, past every row, for a
+    padding slot), and the tile's end with it (``end`` for a padding slot)."""
+    first, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
+    return tl.where(length > 0, first - start, TILE), tl.where(length > 0, first + length, end)
+
+
+@triton.jit
+def tile_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, tile, num_seqs, num_tokens, TILE: tl.constexpr,
+                BLOCKS: tl.constexpr):
+    """First row and length of grid tile ``tile``: the blocks of slots ``tile * BLOCKS ...`` (``TILE // BLOCKS``
+    tokens each; contiguous rows, the last ones possibly padding), and the rows, relative to the first, where its
+    second, third and fourth blocks begin (``TILE`` where there is none). Length 0 for a tile of padding slots.
+    With ``BLOCKS == 1``, :func:`block_bounds`."""
+    BLOCK_SIZE: tl.constexpr = TILE // BLOCKS
+    first = tile * BLOCKS
+    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, first, num_seqs, num_tokens, BLOCK_SIZE)
+    second = TILE
+    third = TILE
+    fourth = TILE
+    if BLOCKS > 1:
+        end = start + length
+        second, end = _next_block(block_seq_ptr, block_cum_ptr, offsets_ptr, first + 1, num_seqs, num_tokens, start,
+                                  end, BLOCK_SIZE, TILE)
+        if BLOCKS > 2:
+            third, end = _next_block(block_seq_ptr, block_cum_ptr, offsets_ptr, first + 2, num_seqs, num_tokens,
+                                     start, end, BLOCK_SIZE, TILE)
+            fourth, end = _next_block(block_seq_ptr, block_cum_ptr, offsets_ptr, first + 3, num_seqs, num_tokens,
+                                      start, end, BLOCK_SIZE, TILE)
+        length = tl.where(length > 0, end - start, 0)
+    return start, length, second, third, fourth
+
+
+@triton.jit
+def same_block(offs_i, offs_j, second, third, fourth):
+    """Whether tile rows ``offs_i`` and ``offs_j`` lie in one block of the tile (:func:`tile_bounds`), ``[i, j]``."""
+    block_i = (offs_i >= second).to(tl.int32) + (offs_i >= third).to(tl.int32) + (offs_i >= fourth).to(tl.int32)
+    block_j = (offs_j >= second).to(tl.int32) + (offs_j >= third).to(tl.int32) + (offs_j >= fourth).to(tl.int32)
+    return block_i[:, None] == block_j[None, :]
+
+
 LOG2E = 1.4426950408889634  # softmax_probs takes the scale times this: exp(x) = exp2(x * log2(e))
 
 
 @triton.jit
-def softmax_probs(scores, col_ok, qk_scale_log2, bias=None):
-    """Exact row softmax of a score tile whose every key lies in the tile (``col_ok`` masks the partial block);
-    ``bias`` (log2 units, ``ops.in_block.score_bias``) is added to the scaled scores."""
+def softmax_probs(scores, col_ok, qk_scale_log2, bias=None, keys=None):
+    """Exact row softmax of a score tile whose every key lies in the tile (``col_ok`` masks the partial block;
+    ``keys``, ``[i, j]``, where given, the keys of each row: :func:`same_block`); ``bias`` (log2 units,
+    ``ops.in_block.score_bias``) is added to the scaled scores."""
     scores = scores * qk_scale_log2
     if bias is not None:
         scores = scores + bias
-    scores = tl.where(col_ok[None, :], scores, float("-inf"))
+    if keys is None:
+        scores = tl.where(col_ok[None, :], scores, float("-inf"))
+    else:
+        scores = tl.where(col_ok[None, :] & keys, scores, float("-inf"))
     p = tl.exp2(scores - tl.max(scores, axis=1)[:, None])
     return p / tl.sum(p, axis=1)[:, None]
 
