@@ -19,7 +19,7 @@ from collections import OrderedDict
 import torch
 
 from . import devices
-from .block_table import BlockLayout, BlockTable
+from .block_table import BlockLayout, BlockTable, max_blocks
 from .ops.fp8 import FP8_DTYPE, out_dtype_of
 from .ops.in_block import DEFAULT_BUCKET_WIDTH, MIN_BUCKET_WIDTH, bucket_dtype
 from .ops.tiles import ROTATE_BITS
@@ -571,6 +571,13 @@ def block_structure(value, tokens: int | None, block_size_) -> tuple[torch.Tenso
     if block_size_ is not None and block_size_ != value.block_size:
         raise ValueError(f"block_size={block_size_!r} differs from the BlockLayout's {value.block_size}: leave "
                          "block_size out when passing a layout")
+    # The kernels read a table of exactly these shapes (a program may read a group of slots without a bound).
+    num_seqs = value.offsets.shape[0] - 1
+    slots = max_blocks(value.num_tokens, num_seqs, value.block_size)
+    if tuple(value.table.block_cum.shape) != (num_seqs,) or tuple(value.table.block_seq.shape) != (slots,):
+        raise ValueError(f"the BlockLayout's table must have block_cum of shape [{num_seqs}] and block_seq of shape "
+                         f"[{slots}] (as blockattn.block_layout builds it), got {list(value.table.block_cum.shape)} "
+                         f"and {list(value.table.block_seq.shape)}")
     return value.offsets, value.block_size, value.table
 
 
