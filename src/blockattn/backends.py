@@ -141,8 +141,10 @@ BACKENDS: dict[str, Backend] = {
     backend.name: backend
     for backend in (
         Backend("sm90-gluon", "Hopper backward in Gluon: TMA loads, wgmma on whole rows (64-token blocks at D = 32 to "
-                "256, 128-token blocks at D = 32 to 128, with or without GQA, fp16/bf16, plain or rotary; the in-block "
-                "options at 64-token blocks up to D = 128, under GQA not both biases together)", _sm90_why_not,
+                "256, 128-token blocks at D = 32 to 128, 16- and 32-token blocks four or two to a 64-row tile at D = 32 "
+                "to 256 but for the rotary without GQA from D = 4 x block size; with or without GQA, fp16/bf16, plain "
+                "or rotary; the in-block options at 64-token blocks up to D = 128, under GQA not both biases "
+                "together)", _sm90_why_not,
                 backward=None if sm90_ops is None else sm90_ops.block_attention_bwd_sm90),
         Backend("triton", "Triton kernels, every supported shape, NVIDIA GPUs from Ampere on (the float8 forward "
                 "from Ada on)", _triton_why_not,
