@@ -106,24 +106,28 @@ def test_hopper_backward_takes_only_its_shape(changes, reason, gpu_capability):
 
 
 @pytest.mark.skipif(backends.sm90_ops is None, reason="this triton has no Gluon Hopper API")
-@pytest.mark.parametrize("options,rotate,gqa,block_size,head_dim,capped", [
-    ({"pos_bias": True, "time_bias": True}, 0, False, 64, 128, True),  # both biases without GQA
-    ({"pos_bias": True, "time_bias": True, "dropout_p": 0.1}, 0, False, 64, 128, False),
-    ({"pos_bias": True, "time_bias": True}, 7, False, 64, 128, False),
-    ({"time_bias": True}, 0, False, 64, 128, False),
-    ({}, 0, True, 64, 64, True), ({}, 7, True, 64, 64, True),  # GQA at D = 64, plain or rotary
-    ({}, 0, True, 128, 64, False),  # two warpgroups at 128-token blocks
-    ({"causal": True}, 0, True, 64, 64, False), ({}, 0, True, 64, 32, False), ({}, 0, True, 64, 128, False),
-    ({}, 0, False, 64, 64, False)])
-def test_hopper_backward_register_cap_only_where_it_measured_faster(options, rotate, gqa, block_size, head_dim,
-                                                                    capped):
-    """The Hopper backward's cap of 168 registers (three programs an SM): both biases together without GQA, a
-    rotary or dropout; GQA at D = 64 without options. Elsewhere it measured slower or changes nothing."""
+@pytest.mark.parametrize("options,rotate,gqa,tile,head_dim,blocks,cap", [
+    ({"pos_bias": True, "time_bias": True}, 0, False, 64, 128, 1, 168),  # both biases without GQA
+    ({"pos_bias": True, "time_bias": True, "dropout_p": 0.1}, 0, False, 64, 128, 1, None),
+    ({"pos_bias": True, "time_bias": True}, 7, False, 64, 128, 1, None),
+    ({"time_bias": True}, 0, False, 64, 128, 1, None),
+    ({}, 0, True, 64, 64, 1, 168), ({}, 0, True, 64, 64, 4, 168),  # GQA at D = 64, plain
+    ({}, 7, True, 64, 64, 1, None),  # a rotary holds its angles in registers
+    ({}, 0, True, 64, 32, 4, 128), ({}, 7, True, 64, 32, 2, 128),  # GQA at D = 32 on tiles of small blocks
+    ({}, 0, True, 64, 32, 1, None), ({}, 7, True, 64, 32, 1, None), ({}, 0, False, 64, 32, 4, None),
+    ({}, 0, True, 128, 64, 1, None),  # two warpgroups at 128-token blocks
+    ({"causal": True}, 0, True, 64, 64, 1, None), ({"causal": True}, 0, True, 64, 32, 1, None),
+    ({}, 0, True, 64, 128, 1, None), ({}, 0, False, 64, 64, 1, None)])
+def test_hopper_backward_register_cap_only_where_it_measured_faster(options, rotate, gqa, tile, head_dim, blocks,
+                                                                    cap):
+    """The Hopper backward's register caps: 168 (three programs an SM) for both biases together without GQA, a
+    rotary or dropout, and for GQA at D = 64 without options or a rotary; 128 (four) for GQA at D = 32 on tiles of
+    16- or 32-token blocks. Elsewhere they measured slower or change nothing."""
     tensor = torch.zeros(4, 8)
     opts = InBlock(**{name: tensor if name.endswith("bias") else value
                        for name, value in options.items()})
-    expected = {"maxnreg": 168} if capped else {}
-    assert backends.sm90_ops._backward_register_cap(opts, rotate, gqa, block_size, head_dim) == expected
+    expected = {} if cap is None else {"maxnreg": cap}
+    assert backends.sm90_ops._backward_register_cap(opts, rotate, gqa, tile, head_dim, blocks) == expected
 
 
 def test_every_backend_says_what_it_is():

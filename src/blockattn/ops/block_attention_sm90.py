@@ -15,7 +15,9 @@ thread loads its pairs' angles 16 bytes at a time. In the products' layout each 
 angles in their place it ran as fast as the plain kernel).
 
 Under GQA, one program per (block, kv head): k and v land and turn once, the group's query heads run in turn with
-the next head's q and dO landing in a second buffer, and dk and dv accumulate in registers across the group.
+the next head's q and dO landing in a second buffer, and dk and dv accumulate in registers across the group. Up to
+D = 64 the rotary's angles load once a program and stay in registers for every head (H100, 8:2, fp32 angles,
+backward over its floor: 1.40-1.42x -> 1.24-1.26x at D = 64, 1.57-1.59x -> 1.42x at D = 32; 2026-11-28).
 
 One warpgroup runs 64-token blocks up to D = 128. Past that one warpgroup's accumulators would spill, so two run
 (:func:`_num_warps`): at 128-token blocks down the rows of [128, 128] score tiles, at D = 256 side by side along
@@ -546,9 +548,11 @@ def _block_attention_bwd_sm90_gqa_kernel(
 
         partial = length < BLOCK
         kv_rotate: gl.constexpr = ROTATE & (ROTATE_K | ROTATE_V)
+        # In whole rows (PARTS == 1) the angles load once, for k and v, every head's q and dq, then dk and dv: held
+        # in registers across the group loop. In column halves they load again where needed (held, they spill).
         for c in gl.static_range(PARTS):
             sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
-                                       kv_rotate)
+                                       kv_rotate if PARTS == 2 else ROTATE)
             if c == 0:  # the first angles load while k and v land
                 mbarrier.wait(landed.index(2), 0)
             _prepare_tile(k.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_K & ROTATE, partial)
@@ -574,8 +578,9 @@ def _block_attention_bwd_sm90_gqa_kernel(
             q = heads.index(2 * buf)
             do = heads.index(2 * buf + 1)
             for c in gl.static_range(PARTS):
-                sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
-                                           ROTATE & ROTATE_Q)
+                if PARTS == 2:
+                    sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W,
+                                               D // 2, ROTATE & ROTATE_Q)
                 if c == 0:  # the first angles load while q and dO land
                     mbarrier.wait(landed.index(buf), (g // 2) & 1)
                 _prepare_tile(q.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_Q & ROTATE, partial)
@@ -596,8 +601,9 @@ def _block_attention_bwd_sm90_gqa_kernel(
             for c in gl.static_range(PARTS):
                 dq = warpgroup_mma(probs, k.slice(c * W, W, dim=1), gl.zeros([BLOCK, W], gl.float32, part_layout),
                                    use_acc=False, is_async=True)
-                sin, cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
-                                      ROTATE & ROTATE_Q)  # while the product runs
+                if PARTS == 2:  # while the product runs
+                    sin, cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
+                                          ROTATE & ROTATE_Q)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
                 _store_gradient(dq, q.slice(c * W, W, dim=1), stage32.index(buf * PARTS + c),
                                 dq_ptr + start * stride_dqn + head_col + c * W, stride_dqn, length, sin, cos,
@@ -609,7 +615,9 @@ def _block_attention_bwd_sm90_gqa_kernel(
                 dv_part, dk_part = dv0, dk0
             else:
                 dv_part, dk_part = dv1, dk1
-            sin, cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2, kv_rotate)
+            if PARTS == 2:
+                sin, cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
+                                      kv_rotate)
             _store_gradient(dv_part, v.slice(c * W, W, dim=1), stage32.index(c),
                             dv_ptr + start * stride_dvn + kv_head * D + c * W, stride_dvn, length, sin, cos,
                             ROTATE_V & ROTATE)
@@ -686,23 +694,32 @@ def _time_bins(options: InBlock, head_dim: int) -> int:
     return min(head_dim, max(32, 1 << (width - 1).bit_length()))
 
 
-def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, block_size: int, head_dim: int) -> dict:
-    """168 registers a thread, three programs an SM where the tiles' shared memory allows it, in two cases (`ads`
-    lengths):
+def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, tile: int, head_dim: int, blocks: int) -> dict:
+    """A register cap where it measured faster (`ads`-like lengths; ``tile``: rows of a program's tile, ``blocks``:
+    blocks in it):
 
-    - both biases together, without GQA, a rotary or dropout: causal + both biases 5.16-5.17 ms uncapped (216
-      registers), 4.64 capped (28 bytes spill) on an H100. The time bias alone loses capped (4.67 against 4.48 ms);
-      the position bias alone takes 168 anyway; with dropout or a rotary shared memory or spills hold the kernel to
-      two;
-    - GQA at D = 64 without in-block options (216-220 registers uncapped, 20-60 bytes spill capped): on an H200
-      1.35-1.40x the floor -> 1.19-1.31x, with a rotary 1.89-1.98x -> 1.72-1.95x; on an H100 a tie or better
-      (1.07-1.11x -> 1.06-1.08x; rotary 1.34-1.41x -> 1.29-1.42x). At D = 32 the kernel takes 168 uncapped, at
-      D = 128 its shared memory holds it to two programs."""
+    - 168 registers a thread (three programs an SM where the tiles' shared memory allows it) for both biases
+      together, without GQA, a rotary or dropout: causal + both biases 5.16-5.17 ms uncapped (216 registers), 4.64
+      capped (28 bytes spill) on an H100. The time bias alone loses capped (4.67 against 4.48 ms); the position bias
+      alone takes 168 anyway; with dropout or a rotary shared memory or spills hold the kernel to two;
+    - 168 for GQA at D = 64 without in-block options or a rotary (216-220 registers uncapped, 20-60 bytes spill
+      capped): on an H200 1.35-1.40x the floor -> 1.19-1.31x; on an H100 a tie or better (1.07-1.11x ->
+      1.06-1.08x). With a rotary, whose angles the kernel holds across its group loop at D <= 64 (246 registers),
+      capped it spills 212 bytes: uncapped against capped, 8:2 and 8:1, H100 1.24-1.33x against 1.49-1.54x, H200
+      1.74-1.83x against 1.90-2.03x (2026-11-28);
+    - 128 for GQA at D = 32 on tiles of 16- or 32-token blocks (194 registers uncapped with a rotary; 64 bytes spill
+      capped, four programs an SM), 8:2: with a rotary H100 1.81-1.83x -> 1.45-1.49x, H200 2.55-2.57x ->
+      2.01-2.06x; plain H100 1.34-1.37x -> 1.23-1.24x, H200 1.88x -> 1.68x at 16-token blocks (2026-11-28). With
+      64-token blocks (167 registers: three programs an SM already) a tie.
+    At D = 128 the kernel's shared memory holds it to two programs an SM."""
     both = options.pos_bias is not None and options.time_bias is not None
     if both and options.dropout_p == 0 and not rotate and not gqa:
         return {"maxnreg": 168}
-    if gqa and block_size == 64 and head_dim == 64 and options.bits == 0:
-        return {"maxnreg": 168}
+    if gqa and tile == 64 and options.bits == 0:
+        if head_dim == 64 and not rotate:
+            return {"maxnreg": 168}
+        if head_dim == 32 and blocks > 1:
+            return {"maxnreg": 128}
     return {}
 
 
@@ -744,6 +761,6 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         stride_sn=stride_sn, stride_sd=stride_sd, dpos_ptr=partials[0], dtime_ptr=partials[1],
         **in_block.call_args(options, q, offsets, table, block_size), **heads, BLOCKS=blocks, ROTATE=rotate,
         num_warps=_num_warps(tile, d),
-        **_backward_register_cap(options, rotate, h != kv_heads, tile, d),
+        **_backward_register_cap(options, rotate, h != kv_heads, tile, d, blocks),
     )
     return in_block.summed_bias_grads(options, partials)
