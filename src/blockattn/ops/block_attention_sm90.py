@@ -417,7 +417,13 @@ def _block_attention_bwd_sm90_kernel(
         # The angles turn the operands and the gradients of every head; loaded while the first tiles land.
         sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, D, 0, D // 2, ROTATE)
         partial = length < BLOCK
-        count = gl.minimum(HEADS, NUM_HEADS - head0)
+        # One head a program: a loop of one trip, which the compiler removes. A loop over a count read at run time
+        # would hold its registers across the trip: 125 -> 184 registers at D = 64 with a rotary (four programs an
+        # SM -> two), 202 -> 255 and spills at D = 128.
+        if HEADS == 1:
+            count = 1
+        else:
+            count = gl.minimum(HEADS, NUM_HEADS - head0)
         for i in range(count):
             buf = i % BUFFERS
             head = head0 + i
