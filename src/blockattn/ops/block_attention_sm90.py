@@ -711,11 +711,11 @@ def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, tile: int, 
     - 168 for GQA at D = 64 without in-block options or a rotary (216-220 registers uncapped, 20-60 bytes spill
       capped): on an H200 1.35-1.40x the floor -> 1.19-1.31x; on an H100 a tie or better (1.07-1.11x ->
       1.06-1.08x). With a rotary, whose angles the kernel holds across its group loop at D <= 64 (246 registers),
-      capped it spills 212 bytes: uncapped against capped, 8:2 and 8:1, H100 1.24-1.33x against 1.49-1.54x, H200
-      1.74-1.83x against 1.90-2.03x (2026-11-28);
+      capped it spills 212 bytes: uncapped against capped, 8:2 and 8:1, H100 1.25-1.32x against 1.49-1.54x, H200
+      1.74-1.84x against 1.90-2.03x (2026-11-28);
     - 128 for GQA at D = 32 on tiles of 16- or 32-token blocks (194 registers uncapped with a rotary; 64 bytes spill
-      capped, four programs an SM), 8:2: with a rotary H100 1.81-1.83x -> 1.45-1.49x, H200 2.55-2.57x ->
-      2.01-2.06x; plain H100 1.34-1.37x -> 1.23-1.24x, H200 1.88x -> 1.68x at 16-token blocks (2026-11-28). With
+      capped, four programs an SM), 8:2: with a rotary H100 1.81-1.83x -> 1.46-1.49x, H200 2.55-2.58x ->
+      2.01-2.07x; plain H100 1.34-1.37x -> 1.23-1.24x, H200 1.87-1.88x -> 1.68-1.69x at 16-token blocks (2026-11-28). With
       64-token blocks (167 registers: three programs an SM already) a tie.
     At D = 128 the kernel's shared memory holds it to two programs an SM."""
     both = options.pos_bias is not None and options.time_bias is not None
