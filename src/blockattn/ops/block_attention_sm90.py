@@ -715,8 +715,8 @@ def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, tile: int, 
       1.74-1.84x against 1.90-2.03x (2026-11-28);
     - 128 for GQA at D = 32 on tiles of 16- or 32-token blocks (194 registers uncapped with a rotary; 64 bytes spill
       capped, four programs an SM), 8:2: with a rotary H100 1.81-1.83x -> 1.46-1.49x, H200 2.55-2.58x ->
-      2.01-2.07x; plain H100 1.34-1.37x -> 1.23-1.24x, H200 1.87-1.88x -> 1.68-1.69x at 16-token blocks (2026-11-28). With
-      64-token blocks (167 registers: three programs an SM already) a tie.
+      2.01-2.07x; plain H100 1.34-1.37x -> 1.23-1.24x, H200 1.87-1.88x -> 1.68-1.69x at 16-token blocks
+      (2026-11-28). With 64-token blocks (167 registers: three programs an SM already) a tie.
     At D = 128 the kernel's shared memory holds it to two programs an SM."""
     both = options.pos_bias is not None and options.time_bias is not None
     if both and options.dropout_p == 0 and not rotate and not gqa:
