@@ -224,6 +224,20 @@ def test_fused_rotary_fp32_angles(heads):
     assert_within_2x_pytorch(results, q, k, v, do, offsets, 64, sinu_pos=sinu_pos, rotate=ROTATE_ALL)
 
 
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("heads", [(8, 2), (6, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
+@pytest.mark.parametrize("dtype,angles_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16)],
+                         ids=["bf16-fp32angles", "fp16"])
+def test_fused_rotary_past_d128_under_gqa(dtype, angles_dtype, heads, head_dim, block_size, poisoned_outputs):
+    """The rotary forward under GQA past D = 128 runs whole rows and the group in a program (8 warps at 64-token
+    blocks, 4 below; ``kernel_config``): the accuracy contract, odd lengths, fp32 and input-dtype angles."""
+    q, k, v, do, offsets = random_inputs(random_lengths(6, 300, block_size), *heads, head_dim, dtype, "cuda")
+    sinu_pos = random_angles(q.shape[0], head_dim, angles_dtype, "cuda")
+    results = public_op(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos)
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=ROTATE_ALL)
+
+
 @pytest.mark.parametrize("heads", [(3, 3), (8, 2)], ids=lambda h: f"{h[0]}:{h[1]}")
 def test_fused_rotary_backward_is_bitwise_deterministic(heads):
     q, k, v, do, offsets = random_inputs(random_lengths(32, 500, 64), *heads, 128, torch.bfloat16, "cuda")

@@ -120,8 +120,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     not, its shapes get the one-block kernel's slices.
 
     The forward under GQA at 64-token blocks, where one slice holds the head dim, runs the group's query heads in one
-    program on k and v read (and turned, with a rotary) once (``HEADS_PER_PROGRAM``, 4 warps; other block sizes,
-    not measured with it, keep a program per query head). At `ads` lengths on an H100, against one program per
+    program on k and v read (and turned, with a rotary) once (``HEADS_PER_PROGRAM``, 4 warps; other block sizes
+    keep a program per query head, but for the rotary forward past D = 128 below). At `ads` lengths on an H100, against one program per
     query head: bf16 4:1 at D = 128 1.02x the floor against 1.07x, 8:1 1.03x against 1.11x, 8:1 at D = 64 1.09x
     against 1.25x; fp8 4:1 1.18x against 1.28x; with a rotary and fp32 angles 4:1 1.12x against 1.32x, 8:1 1.18x
     against 1.57x; 8 warps lost everywhere, by 15-75%. That loop is software-pipelined four deep (``GROUP_STAGES``:
@@ -136,6 +136,16 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     1.03x on the H100), and so did four with in-block options (the causal mask and the position bias at 4:1: 5.33 ms
     against 1.73), which keep one.
 
+    The 16-bit forward with a fused rotary under GQA past D = 128 (16-, 32- and 64-token blocks, no in-block option)
+    takes whole rows and the group in one program too, on k, v and the angles loaded and turned once: 8 warps and
+    two stages at 64-token blocks, 4 warps and one stage below (one block a program there: ``tiles.blocks_per_tile``).
+    It took two 128-column slices and a program per query head, each turning k and v and reading the block's 64 KiB
+    of fp32 angles again. Times over the floor at D = 256, 8 query heads, the sweep's lengths, bf16 (2026-11-28): H100
+    16-token blocks 8:2 fp32 angles 2.12x -> 1.28x, 8:1 bf16 angles 2.16x -> 1.25x, 32-token blocks 8:2 2.13x ->
+    1.26x, 8:4 1.97x -> 1.27x, 64-token blocks 8:2 2.16x -> 1.60x, 8:1 2.43x -> 1.70x (8 warps at 16- and 32-token
+    blocks 1.37-1.90x, 4 at 64-token blocks 2.13x; one stage 1.65x and 1.78x); H200 64-token blocks 8:2 2.87x ->
+    2.11x, 8:1 3.07x -> 2.23x.
+
     Without GQA, a forward with a fused rotary fed fp32 angles (16-bit inputs, 64-token blocks, D = 128, no in-block
     option) runs up to 4 query heads a program (the largest divisor of ``num_heads`` up to 4), each on its own k and
     v, on the block's angles read once, its loop two stages deep: every program re-read the block's 32 KiB of angles
@@ -149,7 +159,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2
     and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit
     forward with a fused rotary under GQA, one program per query head, takes 8 at 64-token blocks and D >= 128
-    (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now applies to D > 128), else 4.
+    (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now applies to D > 128 with in-block
+    options), else 4.
     16- and 32-token blocks keep 4 where they run one block a program (no measurement); in 64-row tiles the
     launcher asks for the 64-token rule (``tiles.blocks_per_tile``).
 
@@ -159,6 +170,9 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     """
     min_width = min_chunk(rotary)
     block_d = max(min_width, triton.next_power_of_2(head_dim))
+    # The 16-bit rotary forward under GQA past D = 128, without in-block options: whole rows, the group in a program
+    wide_rotary_group = (not backward and rotary and group > 1 and element_size == 2 and block_d > 128
+                         and block_size <= 64 and not in_block_bits)
     pipelined = (backward and persistent and not rotary and block_size == 64 and 64 < block_d <= 128
                  and element_size == 2)
     wide_gqa = group > 1 and element_size == 2 and (block_size == 128 or (block_size == 64 and block_d > 128))
@@ -172,9 +186,11 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     if (not backward and block_size == 64 and block_d == 128 and group == 1 and element_size == 2 and not rotary
             and tile_options.bit_count() >= 2):
         max_slice = 64 * 64
-    chunk = min(block_d, max(min_width, max_slice // block_size))
-    wide = block_size * chunk > 64 * 128 or (backward and group > 1 and block_size == 64 and chunk >= 128)
-    heads_per_program = group if not backward and block_size == 64 and chunk >= block_d else 1
+    chunk = block_d if wide_rotary_group else min(block_d, max(min_width, max_slice // block_size))
+    wide = ((block_size * chunk > 64 * 128 and not wide_rotary_group)
+            or (backward and group > 1 and block_size == 64 and chunk >= 128))
+    heads_per_program = (group if not backward and (block_size == 64 or wide_rotary_group) and chunk >= block_d
+                         else 1)
     mha_rotary_heads = (not backward and rotary and fp32_angles and group == 1 and element_size == 2
                         and block_size == 64 and block_d == 128 and chunk >= block_d and not in_block_bits)
     if mha_rotary_heads:
@@ -188,11 +204,13 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
         "GROUP_STAGES": ((2 if group > 1 and not rotary else 1) if backward
+                         else (2 if block_size == 64 else 1) if wide_rotary_group
                          else 2 if mha_rotary_heads and heads_per_program > 1
                          else 4 if heads_per_program > 1 and not in_block_bits
                          and not (element_size == 2 and group <= 4 and block_d == 128 and not rotary) else 1),
         "HEADS_PER_PROGRAM": heads_per_program,
-        "NUM_WARPS": 8 if block_size == 128 or wide or rotary_gqa_fwd else 4,
+        "NUM_WARPS": (8 if block_size == 128 or wide or rotary_gqa_fwd or (wide_rotary_group and block_size == 64)
+                      else 4),
     })
 
 
