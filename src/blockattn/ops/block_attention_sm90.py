@@ -520,8 +520,11 @@ def _block_attention_bwd_sm90_gqa_kernel(
     # dk and dv accumulate over the group in the products' registers and are stored once: no atomics, bitwise
     # reproducible. From D = 128 the two accumulators take 128 registers a thread of one warpgroup, so every
     # column-wise step (dk, dv and dq products, turning q, storing gradients) runs in PARTS = 2 column halves, and
-    # the angles are loaded again where needed (an L1/L2 hit) rather than held across the loop: otherwise registers
-    # spill. A "block" is a tile of BLOCKS blocks, as in the kernel above.
+    # the angles are loaded again where needed (an L1/L2 hit) rather than held across the loop, but for q's second
+    # half from one head's dq to the next head's q: otherwise registers spill. Those loads cost (H100, 8:2 at D =
+    # 128, fp32 angles, backward over its floor): 1.37-1.38x with four a head, 1.33x with three, 1.20-1.21x with
+    # stand-ins computed in registers in their place (2026-11-28). A "block" is a tile of BLOCKS blocks, as in the
+    # kernel above.
     gl.static_assert(BLOCKS == 1 or IN_BLOCK == 0)
     BLOCK: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -568,6 +571,11 @@ def _block_attention_bwd_sm90_gqa_kernel(
         stage32 = reinterpret(heads, gl.float32, [2 * PARTS, BLOCK, W],
                               gl.NVMMASharedLayout.get_default_for([BLOCK, W], gl.float32))
 
+        if PARTS == 2:
+            # q's angles of the second half: loaded for a head's dq, then held for the next head's q (three loads a
+            # head instead of four; holding the first half's too spills)
+            held_sin, held_cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, W, D // 2,
+                                            ROTATE & ROTATE_Q)
         dk0 = gl.zeros([BLOCK, W], gl.float32, part_layout)
         dk1 = gl.zeros([BLOCK, W], gl.float32, part_layout)
         dv0 = gl.zeros([BLOCK, W], gl.float32, part_layout)
@@ -585,8 +593,12 @@ def _block_attention_bwd_sm90_gqa_kernel(
             do = heads.index(2 * buf + 1)
             for c in gl.static_range(PARTS):
                 if PARTS == 2:
-                    sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W,
-                                               D // 2, ROTATE & ROTATE_Q)
+                    if c == 0:
+                        sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, 0, D // 2,
+                                                   ROTATE & ROTATE_Q)
+                    else:
+                        sin = held_sin
+                        cos = held_cos
                 if c == 0:  # the first angles load while q and dO land
                     mbarrier.wait(landed.index(buf), (g // 2) & 1)
                 _prepare_tile(q.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_Q & ROTATE, partial)
@@ -610,6 +622,9 @@ def _block_attention_bwd_sm90_gqa_kernel(
                 if PARTS == 2:  # while the product runs
                     sin, cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
                                           ROTATE & ROTATE_Q)
+                    if c == 1:
+                        held_sin = sin
+                        held_cos = cos
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
                 _store_gradient(dq, q.slice(c * W, W, dim=1), stage32.index(buf * PARTS + c),
                                 dq_ptr + start * stride_dqn + head_col + c * W, stride_dqn, length, sin, cos,
