@@ -215,8 +215,11 @@ def test_forward_heads_per_program_override(dtype):
     with pytest.raises(ValueError, match="group_stages must be at least 1"):
         forward(group_stages=0)
     angles = random_angles(sum(odd_lengths(16)), 64, device=KERNEL_DEVICE)
+    # On a GPU the two launches may round a few fp16 rotated operands, and so a few outputs, the other way (4 of
+    # 22 784 outputs by up to 6e-5 on an H100).
+    close = {"atol": 1e-3, "rtol": 1e-3} if dtype == torch.float16 else {}
     torch.testing.assert_close(forward(sinu_pos=angles, rotate=ROTATE_ALL),
-                               forward(sinu_pos=angles, rotate=ROTATE_ALL, heads_per_program=1))
+                               forward(sinu_pos=angles, rotate=ROTATE_ALL, heads_per_program=1), **close)
     for bad in (3, 4):
         with pytest.raises(ValueError, match="heads_per_program must be 1, or where one head-dim slice"):
             forward(heads_per_program=bad)
@@ -228,8 +231,6 @@ def test_forward_heads_per_program_override(dtype):
     def mha_forward(**override):
         return triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 16, 0.125, angles, ROTATE_ALL,
                                                      **override)
-    # On a GPU the two launches may round a few fp16 outputs the other way (one unit in the last place).
-    close = {"atol": 1e-3, "rtol": 1e-3} if dtype == torch.float16 else {}
     for heads in (2, 4):
         torch.testing.assert_close(mha_forward(heads_per_program=heads, group_stages=2), mha_forward(), **close)
     with pytest.raises(ValueError, match="a divisor of the 4 heads, got 3"):
@@ -281,8 +282,9 @@ def test_forward_rotary_past_d128_runs_the_group_on_whole_rows():
     assert rule(block_size=16) == rule(block_size=32) == (256, 4, 4, 1)
     assert rule(block_size=32, group=2) == (256, 2, 4, 1)
     for other in ({"rotary": False}, {"element_size": 1}, {"in_block_bits": in_block.CAUSAL.value}, {"group": 1},
-                  {"head_dim": 128}, {"block_size": 128}):
-        assert rule(**other)[1] == (4 if other == {"head_dim": 128} else 1), other
+                  {"block_size": 128}):
+        assert rule(**other)[1] == 1, other
+    assert rule(head_dim=128)[:2] == (128, 4) and rule(block_size=16, head_dim=128)[1] == 1  # the rules up to 128
 
     q, k, v, _, offsets = random_inputs(odd_lengths(16), 4, 2, 192, torch.float16, KERNEL_DEVICE)
     angles = random_angles(q.shape[0], 192, torch.float32, KERNEL_DEVICE)

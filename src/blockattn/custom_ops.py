@@ -233,7 +233,7 @@ def _block_attention_forward(q, k, v, offsets, sinu_pos, block_size, scale, rota
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
                       time_buckets)
     scales = None if q_descale is None else Fp8Scales(q_descale, k_descale, v_descale,
-                                                      out_dtype or fp8.DEFAULT_OUT_DTYPE, out_scale)
+                                                      fp8.out_dtype_of(q.dtype, out_dtype) or q.dtype, out_scale)
     return _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options, block_cum, block_seq, scales)
 
 

@@ -121,10 +121,10 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
 
     The forward under GQA at 64-token blocks, where one slice holds the head dim, runs the group's query heads in one
     program on k and v read (and turned, with a rotary) once (``HEADS_PER_PROGRAM``, 4 warps; other block sizes
-    keep a program per query head, but for the rotary forward past D = 128 below). At `ads` lengths on an H100, against one program per
-    query head: bf16 4:1 at D = 128 1.02x the floor against 1.07x, 8:1 1.03x against 1.11x, 8:1 at D = 64 1.09x
-    against 1.25x; fp8 4:1 1.18x against 1.28x; with a rotary and fp32 angles 4:1 1.12x against 1.32x, 8:1 1.18x
-    against 1.57x; 8 warps lost everywhere, by 15-75%. That loop is software-pipelined four deep (``GROUP_STAGES``:
+    keep a program per query head, but for the rotary forward past D = 128 below). At `ads` lengths on an H100,
+    against one program per query head: bf16 4:1 at D = 128 1.02x the floor against 1.07x, 8:1 1.03x against
+    1.11x, 8:1 at D = 64 1.09x against 1.25x; fp8 4:1 1.18x against 1.28x; with a rotary and fp32 angles 4:1 1.12x
+    against 1.32x, 8:1 1.18x against 1.57x; 8 warps lost everywhere, by 15-75%. That loop is software-pipelined four deep (``GROUP_STAGES``:
     the next heads' q loads issued ahead), except for 16-bit inputs at D = 128 with up to four query heads per kv
     head and no rotary, where it lost or tied (H100: 4:2 1.07x against 0.99x, 8:2 1.02x against 1.01x; H200: 8:2
     1.19x against 1.13x; with a rotary it won: 8:2 1.10x against 1.17x, 4:1 1.05x against 1.12x). At `ads` lengths,
