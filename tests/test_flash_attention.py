@@ -517,7 +517,7 @@ def _dense(dtype=torch.float32, **shape):
     (_dense(), {"out_dtype": torch.int8}, ValueError, "out_dtype must be"),
     (_dense(), {"out_dtype": "bf16"}, TypeError, "out_dtype must be a torch.dtype"),
     (_dense(), {"return_lse": None}, TypeError, "return_lse must be a bool"),
-    (_dense(), {"q_descale": torch.ones(1)}, ValueError, "q_descale apply to float8_e4m3fn inputs only"),
+    (_dense(), {"q_descale": torch.ones(1)}, ValueError, "q_descale applies to float8_e4m3fn inputs only"),
     (_dense(FP8_DTYPE), {"q_descale": torch.ones(1), "k_descale": torch.ones(1)}, ValueError,
      "v_descale is required"),
     (_dense(FP8_DTYPE), {"q_descale": torch.ones(2), "k_descale": torch.ones(1), "v_descale": torch.ones(1)},

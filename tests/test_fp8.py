@@ -196,9 +196,9 @@ def test_validation_non_fp8_inputs_and_gradients():
     lengths = [20]
     offsets = make_offsets(lengths)
     q = torch.randn(20, 2, 16)
-    with pytest.raises(ValueError, match="q_descale apply to float8_e4m3fn inputs only"):
+    with pytest.raises(ValueError, match="q_descale applies to float8_e4m3fn inputs only"):
         blockattn.block_attention(q, q, q, offsets, block_size=16, q_descale=torch.ones(1))
-    with pytest.raises(ValueError, match="out_dtype apply to float8_e4m3fn inputs only"):
+    with pytest.raises(ValueError, match="out_dtype applies to float8_e4m3fn inputs only"):
         blockattn.block_attention(q, q, q, offsets, block_size=16, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="the float8 forward is for inference: q must not require grad"):
         _call(q=torch.zeros(20, 2, 16).to(FP8).requires_grad_())
@@ -351,7 +351,7 @@ def test_qkv_fp8_validation(overrides, error, message):
 def test_qkv_fp8_arguments_need_fp8_inputs():
     x, w = torch.randn(20, 32), torch.randn(32, 96)
     for name, value in (("qkv_scale", torch.ones(1)), ("out_dtype", torch.bfloat16), ("x_descale", torch.ones(1))):
-        with pytest.raises(ValueError, match=f"{name} apply to float8_e4m3fn x and w only; x is torch.float32"):
+        with pytest.raises(ValueError, match=f"{name} applies to float8_e4m3fn x and w only; x is torch.float32"):
             blockattn.qkv_block_attention(x, w, make_offsets([20]), num_heads=2, num_kv_heads=2, **{name: value})
 
 

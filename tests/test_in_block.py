@@ -414,6 +414,10 @@ def test_layout_with_timestamps_refuses_what_does_not_match():
         blockattn.block_attention(q, k, v, layout, time_bias=torch.randn(2, 9))
     with pytest.raises(ValueError, match="time_bucket_width was given to block_layout without timestamps"):
         blockattn.block_layout(offsets, n, 16, time_bucket_width=0.5)
+    for target in (offsets, layout):  # and to an attention call without a time bias, as to block_layout
+        with pytest.raises(ValueError, match="time_bucket_width was given without a time bias"):
+            blockattn.block_attention(q, k, v, target, block_size=None if target is layout else 16,
+                                      time_bucket_width=0.5)
     with pytest.raises(ValueError, match=r"time_buckets must be a contiguous torch.int32 tensor \[29, 16\]"):
         blockattn.block_attention(q, k, v, layout._replace(time_buckets=torch.zeros(n, 8, dtype=torch.uint8)),
                                   time_bias=bias)

@@ -1,6 +1,7 @@
 """blockattn.nn.BlockSelfAttention against a composition of nn.Linear, the rotary and the float64 reference."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -191,6 +192,11 @@ def test_factory_kwargs_reset_parameters_and_repr():
     layer = BlockSelfAttention(64, 4, num_kv_heads=2, head_dim=32, block_size=128, device="meta")
     assert all(p.is_meta for p in layer.parameters())
     assert layer.qkv.weight.shape == ((4 + 2 * 2) * 32, 64) and layer.out.weight.shape == (64, 4 * 32)
+    offsets = torch.tensor([0, 40, 100], device="meta")
+    for rotary in (True, False):  # shape inference on meta tensors, the forward included
+        meta = BlockSelfAttention(64, 4, num_kv_heads=2, head_dim=32, rotary=rotary, device="meta")
+        out = meta(torch.randn(100, 64, device="meta"), offsets)
+        assert out.is_meta and out.shape == (100, 64)
     layer.to_empty(device="cpu")  # the meta-device initialisation FSDP uses
     layer.reset_parameters()
     assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for p in layer.parameters())
@@ -242,6 +248,10 @@ def test_forward_validation():
         layer(torch.randn(4, 32, dtype=torch.float16), offsets)
     with pytest.raises(ValueError, match="offsets"):
         layer(torch.randn(4, 32), make_offsets([3]))
+    with pytest.raises(ValueError, match=re.escape("offsets is a BlockLayout of 32-token blocks, but this layer's "
+                                                   "block_size is 64: build it with block_layout(offsets, N, "
+                                                   "block_size=64)")):
+        layer(torch.randn(4, 32), blockattn.block_layout(offsets, 4, 32))
     # Checked before the rotary angles are computed from them.
     for bad, error, match in ((torch.tensor(4), ValueError, "offsets must be 1-D"),
                               (torch.tensor([], dtype=torch.int32), ValueError, "offsets must be 1-D"),

@@ -96,6 +96,13 @@ def test_nested_rejects_offsets_and_mixed_structure():
     other = torch.nested.nested_tensor_from_jagged(k, torch.tensor([0, 5, 10]))
     with pytest.raises(ValueError, match="same jagged structure"):
         blockattn.block_attention(nq, other, nv)
+    strided = [torch.nested.nested_tensor([t[:4], t[4:]]) for t in (q, k, v)]  # the default layout: not jagged
+    with pytest.raises(TypeError, match="q must be a nested tensor of layout=torch.jagged, got layout=torch.strided"):
+        blockattn.block_attention(*strided)
+    # Flash attention takes dense [B, S, H, D] tensors; jagged sequences go to its varlen form.
+    dense = [torch.nested.nested_tensor_from_jagged(t[:, None], o.long()) for t in (q, k, v)]
+    with pytest.raises(TypeError, match="q must be a dense tensor .* flash_attention_varlen"):
+        blockattn.flash_attention(*dense)
 
 
 ANGLES = torch.randn(10, 32)
@@ -106,8 +113,11 @@ ROTARY_CASES = [
     ("sinu_pos list", {"sinu_pos": ANGLES.tolist()}, TypeError, "sinu_pos must be a torch.Tensor"),
     ("sinu_pos device", {"sinu_pos": ANGLES.to("meta")}, ValueError, "sinu_pos must be on the device"),
     ("sinu_pos grad", {"sinu_pos": ANGLES.clone().requires_grad_()}, ValueError, "sinu_pos requires grad"),
-    ("rotate str", {"sinu_pos": ANGLES, "rotate": "qk"}, TypeError, "rotate must be a tuple of names"),
+    ("rotate str", {"sinu_pos": ANGLES, "rotate": "qk"}, TypeError, "rotate must be a tuple \\(or list, set\\)"),
     ("rotate name", {"sinu_pos": ANGLES, "rotate": ("q", "o")}, ValueError, "unknown \\['o'\\]"),
+    ("rotate twice", {"sinu_pos": ANGLES, "rotate": ["q", "q"]}, ValueError,
+     "rotate names an operand more than once: \\('q', 'q'\\)"),
+    ("rotate name, no angles", {"rotate": ("x",)}, ValueError, "unknown \\['x'\\]"),
 ]
 
 
@@ -148,6 +158,8 @@ PROJECTION_CASES = [
     ("x int", lambda x, w, b: (x.long(), w, b), {}, TypeError, "x must be float16"),
     ("w rows", lambda x, w, b: (x, w[:7], b), {}, ValueError, "w must be \\[d_model, \\(num_heads"),
     ("w columns", lambda x, w, b: (x, w[:, :100], b), {}, ValueError, "w must be \\[d_model"),
+    ("w head dim", lambda x, w, b: (x, torch.randn(x.shape[1], 8 * 33), None), {}, ValueError,
+     "head_dim \\(w's 264 columns over num_heads \\+ 2 \\* num_kv_heads = 8\\) must be a multiple of 8"),
     ("w dtype", lambda x, w, b: (x, w.double(), b), {}, TypeError, "w must have the dtype of x"),
     ("bias shape", lambda x, w, b: (x, w, b[:-1]), {}, ValueError, "bias must be 1-D \\[256\\]"),
     ("bias dtype", lambda x, w, b: (x, w, b.half()), {}, TypeError, "bias must have the dtype of x"),
@@ -181,9 +193,10 @@ def test_qkv_block_attention_checks_heads_before_the_projection():
             self.ops.append(func)
             return func(*args, **(kwargs or {}))
 
-    x, w, _bias = projection(hq=3, hkv=3, d=12)  # 9 heads of 12 columns: head_dim 12 is refused
-    for offsets, message in ((make_offsets([4, 6]), "head_dim must be a multiple of 8"),
-                             (make_offsets([4, 6]).float(), "offsets must be int32")):
+    refused = projection(hq=3, hkv=3, d=12)  # 9 heads of 12 columns: head_dim 12 is refused
+    for (x, w, _bias), offsets, message in (
+            (refused, make_offsets([4, 6]), "head_dim .* must be a multiple of 8"),
+            (projection(hq=3, hkv=3, d=16), make_offsets([4, 6]).float(), "offsets must be int32")):
         with RecordOps() as recorded, pytest.raises((TypeError, ValueError), match=message):
             blockattn.qkv_block_attention(x, w, offsets, num_heads=3, num_kv_heads=3)
         assert not {torch.ops.aten.mm.default, torch.ops.aten.addmm.default} & set(recorded.ops)

@@ -94,15 +94,17 @@ def block_attention(
             inside the kernels as they are loaded: the result equals ``block_attention(apply_rotary(q, sinu_pos),
             ...)`` but the rotated tensors never reach memory, and the gradients are those of the unrotated
             inputs. ``sinu_pos`` is a constant: it gets no gradient (it must not require one).
-        rotate: which of ``"q"``, ``"k"``, ``"v"`` to rotate (all three by default, as in the workload this
-            comes from; standard RoPE is ``("q", "k")``). Ignored without ``sinu_pos``.
+        rotate: which of ``"q"``, ``"k"``, ``"v"`` to rotate, a tuple (or list, set) naming each at most once
+            (all three by default, as in the workload this comes from; standard RoPE is ``("q", "k")``). Checked
+            always; without ``sinu_pos`` nothing is rotated.
         causal: within each block, query ``i`` sees keys ``j <= i`` only (positions inside the block).
         pos_bias: learnable relative position bias ``[Hq, 2 * block_size - 1]`` (float32 or the inputs' dtype):
             ``scale * q_i . k_j + pos_bias[h, j - i + block_size - 1]``.
         timestamps, time_bias: ``timestamps [N]`` (int64, int32 or float32, e.g. seconds; nested ``[B, j]`` like
             ``q`` too) and a learnable ``time_bias [Hq, num_buckets]``: adds ``time_bias[h, bucket(t_j - t_i)]``
             with ``bucket(dt) = min(num_buckets - 1, floor(ln(max(|dt|, 1)) / time_bucket_width))``, ``|dt|``
-            rounded to fp32 (``time_bucket_width >= 0.001``, 0.301 by default). ``timestamps`` get no gradient.
+            rounded to fp32 (``time_bucket_width >= 0.001``, 0.301 by default, given only with a time bias).
+            ``timestamps`` get no gradient.
             A layout built with timestamps (:func:`block_layout`) passed as ``offsets`` gives its own: leave
             ``timestamps`` and ``time_bucket_width`` out.
         dropout_p: dropout on the probabilities (after the softmax, kept ones scaled by ``1 / (1 - p)``), from a

@@ -96,6 +96,11 @@ def _describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {t.dtype} on {t.device}"
 
 
+def _apply(names: list[str]) -> str:
+    """``"a applies"`` or ``"a, b apply"``: the subject and verb of a message about the arguments ``names``."""
+    return f"{', '.join(names)} {'apply' if len(names) > 1 else 'applies'}"
+
+
 def _dtype_names(dtypes) -> str:
     names = [str(d).removeprefix("torch.") for d in dtypes]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
@@ -124,9 +129,10 @@ def positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def head_dim(d) -> None:
+def head_dim(d, source: str = "") -> None:
+    """``source``: where ``d`` comes from, when the caller did not pass it (e.g. a weight's width)."""
     if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM or d % 8 != 0:
-        raise ValueError(f"head_dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
+        raise ValueError(f"head_dim{source} must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
 
 
 def block_size(value) -> None:
@@ -194,7 +200,7 @@ def fp8_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: t
     if q.dtype != FP8_DTYPE:
         given = [name for name, value in (("out_dtype", out_dtype), ("out_scale", out_scale)) if value is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} apply to float8_e4m3fn inputs only; q, k, v are {q.dtype}")
+            raise ValueError(f"{_apply(given)} to float8_e4m3fn inputs only; q, k, v are {q.dtype}")
         return
     if out_dtype not in FP8_OUT_DTYPES:
         raise ValueError(f"out_dtype must be {_dtype_names(FP8_OUT_DTYPES)} for float8 inputs, got {out_dtype}")
@@ -239,10 +245,13 @@ def sinu_pos(angles, x: torch.Tensor, x_name: str) -> None:
 def rotate_mask(rotate) -> int:
     """``rotate`` (a tuple of names from ``ROTATE_BITS``) as the ops' bit mask."""
     if isinstance(rotate, str) or not isinstance(rotate, (tuple, list, set, frozenset)):
-        raise TypeError(f"rotate must be a tuple of names from {tuple(ROTATE_BITS)}, e.g. ('q', 'k'), got {rotate!r}")
+        raise TypeError(f"rotate must be a tuple (or list, set) of names from {tuple(ROTATE_BITS)}, e.g. ('q', 'k'), "
+                        f"got {rotate!r}")
     unknown = [name for name in rotate if name not in ROTATE_BITS]
     if unknown:
         raise ValueError(f"rotate names the operands to rotate, from {tuple(ROTATE_BITS)}; got unknown {unknown}")
+    if len(set(rotate)) != len(rotate):
+        raise ValueError(f"rotate names an operand more than once: {tuple(rotate)}")
     mask = 0
     for name in rotate:
         mask |= ROTATE_BITS[name]
@@ -262,8 +271,11 @@ def same_structure(a: torch.Tensor, b: torch.Tensor) -> bool:
 def unpack_nested(q, k, v) -> tuple[torch.Tensor, ...]:
     """``torch.jagged`` nested tensors ``[B, j, H, D]`` -> their ``[N, H, D]`` values and shared offsets."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or not t.is_nested or t.layout != torch.jagged:
-            raise TypeError(f"{name} must be a nested tensor with layout=torch.jagged when q is one")
+        if not isinstance(t, torch.Tensor) or not t.is_nested:
+            raise TypeError(f"{name} must be a nested tensor (layout=torch.jagged) when q is one")
+        if t.layout != torch.jagged:
+            raise TypeError(f"{name} must be a nested tensor of layout=torch.jagged, got layout={t.layout} (build "
+                            f"it with torch.nested.nested_tensor(..., layout=torch.jagged))")
         if t.dim() != 4 or t._ragged_idx != 1:
             raise ValueError(f"{name} must be a jagged nested tensor of shape [B, j, H, D], got {t.shape}")
     offsets = q.offsets()
@@ -314,6 +326,7 @@ def projection(x, w, bias, num_heads, num_kv_heads) -> None:
     if w.dim() != 2 or w.shape[0] != x.shape[1] or w.shape[1] % num_all != 0:
         raise ValueError(f"w must be [d_model, (num_heads + 2 * num_kv_heads) * head_dim] = [{x.shape[1]}, "
                          f"{num_all} * head_dim], got {tuple(w.shape)}")
+    head_dim(w.shape[1] // num_all, f" (w's {w.shape[1]} columns over num_heads + 2 * num_kv_heads = {num_all})")
     others = [("w", w)]
     if bias is not None:
         tensor("bias", bias, optional=True)
@@ -343,7 +356,7 @@ def fp8_projection(x, w, bias, x_descale, w_descale, qkv_scale, out_dtype, out_s
         given = [name for name, value in {**scales, "out_dtype": out_dtype, "out_scale": out_scale}.items()
                  if value is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} apply to float8_e4m3fn x and w only; x is {x.dtype}")
+            raise ValueError(f"{_apply(given)} to float8_e4m3fn x and w only; x is {x.dtype}")
         return
     if devices.kernels_run_on(x.device) and (reason := devices.fp8_reason(x.device)):
         raise ValueError(f"x and w: {reason}")
@@ -376,7 +389,7 @@ def _descales(q_dtype: torch.dtype, device: torch.device, descales) -> None:
     if q_dtype != FP8_DTYPE:
         given = [name for name, t in zip(names, descales) if t is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} apply to float8_e4m3fn inputs only; q, k, v are {q_dtype}")
+            raise ValueError(f"{_apply(given)} to float8_e4m3fn inputs only; q, k, v are {q_dtype}")
         return
     _scale_tensors(dict(zip(names, descales)), device, "q")
 
@@ -401,6 +414,10 @@ def flash(q, k, v, *, packed: bool, causal, causal_alignment, scale, return_lse,
     layout = "[N, heads, head_dim]" if packed else "[batch, seq, heads, head_dim]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         tensor(name, t)
+        if t.is_nested:
+            raise TypeError(f"{name} must be a dense tensor {layout}, got a nested tensor"
+                            + ("" if packed else "; for sequences of different lengths pass the nested tensors' "
+                               "values() and offsets() to flash_attention_varlen"))
         if t.dim() != (3 if packed else 4):
             raise ValueError(f"{name} must be {3 if packed else 4}-D {layout}, got shape {tuple(t.shape)}")
         dtypes = FLASH_DTYPES + ((torch.float64,) if t.device.type in FLOAT64_DEVICES else ())
@@ -512,6 +529,9 @@ def layout_time_bias(value, timestamps, time_bias, time_bucket_width) -> tuple:
     and no table, or, where ``value`` (its ``offsets``) is a :class:`BlockLayout` with timestamps and the call has a
     time bias, the layout's (the call's timestamps and width must then be left out or be the layout's)."""
     if not (isinstance(value, BlockLayout) and value.timestamps is not None and time_bias is not None):
+        if time_bucket_width is not None and timestamps is None and time_bias is None:
+            raise ValueError("time_bucket_width was given without a time bias (timestamps and time_bias): it is the "
+                             "width of the timestamps' buckets")
         return timestamps, DEFAULT_BUCKET_WIDTH if time_bucket_width is None else time_bucket_width, None
     if timestamps is not None and timestamps is not value.timestamps:
         raise ValueError("timestamps differ from those of the BlockLayout passed as offsets: leave timestamps out, "
