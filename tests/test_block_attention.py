@@ -576,7 +576,7 @@ def test_block_layout_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match=r"block_seq of shape \[4\] \(as blockattn.block_layout builds it\), "
                                          r"got \[2\] and \[3\]"):
         blockattn.block_attention(q, k, v, cut)
-    with pytest.raises(ValueError, match="block_size=64 differs"):
+    with pytest.raises(ValueError, match="a BlockLayout of 16-token blocks, but this layer's block_size is 64"):
         blockattn.nn.BlockSelfAttention(32, 2, block_size=64)(torch.randn(47, 32), layout)
     with pytest.raises(ValueError, match="offsets\\[-1\\] must equal the number of tokens N=50"):
         blockattn.block_layout(offsets, 50, block_size=16)
