@@ -1,6 +1,8 @@
 """Block attention against the float64 reference: Triton kernels (interpreter on CPU, real on GPU) and the PyTorch
 CPU path, through the launchers and through the public autograd op."""
 
+import re
+
 import pytest
 import torch
 from conftest import (
@@ -576,7 +578,9 @@ def test_block_layout_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match=r"block_seq of shape \[4\] \(as blockattn.block_layout builds it\), "
                                          r"got \[2\] and \[3\]"):
         blockattn.block_attention(q, k, v, cut)
-    with pytest.raises(ValueError, match="a BlockLayout of 16-token blocks, but this layer's block_size is 64"):
+    with pytest.raises(ValueError, match=re.escape("offsets is a BlockLayout of 16-token blocks, but this layer's "
+                                                   "block_size is 64: build it with block_layout(offsets, N, "
+                                                   "block_size=64)")):
         blockattn.nn.BlockSelfAttention(32, 2, block_size=64)(torch.randn(47, 32), layout)
     with pytest.raises(ValueError, match="offsets\\[-1\\] must equal the number of tokens N=50"):
         blockattn.block_layout(offsets, 50, block_size=16)
