@@ -296,7 +296,7 @@ def test_forward_rotary_past_d128_runs_the_group_on_whole_rows():
         return triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, block_size, 0.125, angles, ROTATE_ALL,
                                                      **override)
     for block_size in (16, 64):
-        # On a GPU the two launches may round a few fp16 outputs the other way (one unit in the last place).
+        # On a GPU the two launches may round a few fp16 outputs the other way.
         torch.testing.assert_close(forward(block_size), forward(block_size, heads_per_program=1), atol=1e-3,
                                    rtol=1e-3)
 
