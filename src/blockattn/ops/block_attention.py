@@ -120,21 +120,20 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     not, its shapes get the one-block kernel's slices.
 
     The forward under GQA at 64-token blocks, where one slice holds the head dim, runs the group's query heads in one
-    program on k and v read (and turned, with a rotary) once (``HEADS_PER_PROGRAM``, 4 warps; other block sizes
-    keep a program per query head, but for the rotary forward past D = 128 below). At `ads` lengths on an H100,
-    against one program per query head: bf16 4:1 at D = 128 1.02x the floor against 1.07x, 8:1 1.03x against
-    1.11x, 8:1 at D = 64 1.09x against 1.25x; fp8 4:1 1.18x against 1.28x; with a rotary and fp32 angles 4:1 1.12x
-    against 1.32x, 8:1 1.18x against 1.57x; 8 warps lost everywhere, by 15-75%. That loop is software-pipelined four deep (``GROUP_STAGES``:
-    the next heads' q loads issued ahead), except for 16-bit inputs at D = 128 with up to four query heads per kv
-    head and no rotary, where it lost or tied (H100: 4:2 1.07x against 0.99x, 8:2 1.02x against 1.01x; H200: 8:2
-    1.19x against 1.13x; with a rotary it won: 8:2 1.10x against 1.17x, 4:1 1.05x against 1.12x). At `ads` lengths,
-    one stage -> four, H100 (2026-11-25, 04:29-04:39 UTC): fp8 8:1 at D = 128 1.20x -> 1.08x, 4:2 1.16x -> 1.07x,
-    8:1 at D = 64 1.36x -> 1.12x, 8:2 at D = 32 1.40x -> 1.27x; bf16 8:1 at D = 64 1.09x -> 1.06x, 8:2 at D = 32
-    1.23x -> 1.06x; with a rotary and fp32 angles, bf16 8:1 at D = 128 1.18x -> 1.02x, fp8 1.43x -> 1.21x. H200
-    (04:46 UTC): fp8 8:1 at D = 128 1.40x -> 1.11x, at D = 64 1.67x -> 1.27x; bf16 8:1 at D = 128 1.17x -> 1.14x, at
-    D = 64 1.22x -> 1.06x; rotary bf16 8:1 at D = 128 1.46x -> 1.25x. Two stages lost to one (bf16 8:1 1.17x against
-    1.03x on the H100), and so did four with in-block options (the causal mask and the position bias at 4:1: 5.33 ms
-    against 1.73), which keep one.
+    program on k and v read (and turned, with a rotary) once (``HEADS_PER_PROGRAM``, 4 warps; other block sizes keep a
+    program per query head, but for the rotary forward past D = 128 below). At `ads` lengths on an H100, against one
+    program per query head: bf16 4:1 at D = 128 1.02x the floor against 1.07x, 8:1 1.03x against 1.11x, 8:1 at D = 64
+    1.09x against 1.25x; fp8 4:1 1.18x against 1.28x; with a rotary and fp32 angles 4:1 1.12x against 1.32x, 8:1 1.18x
+    against 1.57x; 8 warps lost everywhere, by 15-75%. That loop is software-pipelined four deep (``GROUP_STAGES``: the
+    next heads' q loads issued ahead), except for 16-bit inputs at D = 128 with up to four query heads per kv head and
+    no rotary, where it lost or tied (H100: 4:2 1.07x against 0.99x, 8:2 1.02x against 1.01x; H200: 8:2 1.19x against
+    1.13x; with a rotary it won: 8:2 1.10x against 1.17x, 4:1 1.05x against 1.12x). At `ads` lengths, one stage -> four,
+    H100 (2026-11-25, 04:29-04:39 UTC): fp8 8:1 at D = 128 1.20x -> 1.08x, 4:2 1.16x -> 1.07x, 8:1 at D = 64 1.36x ->
+    1.12x, 8:2 at D = 32 1.40x -> 1.27x; bf16 8:1 at D = 64 1.09x -> 1.06x, 8:2 at D = 32 1.23x -> 1.06x; with a rotary
+    and fp32 angles, bf16 8:1 at D = 128 1.18x -> 1.02x, fp8 1.43x -> 1.21x. H200 (04:46 UTC): fp8 8:1 at D = 128 1.40x
+    -> 1.11x, at D = 64 1.67x -> 1.27x; bf16 8:1 at D = 128 1.17x -> 1.14x, at D = 64 1.22x -> 1.06x; rotary bf16 8:1 at
+    D = 128 1.46x -> 1.25x. Two stages lost to one (bf16 8:1 1.17x against 1.03x on the H100), and so did four with
+    in-block options (the causal mask and the position bias at 4:1: 5.33 ms against 1.73), which keep one.
 
     The 16-bit forward with a fused rotary under GQA past D = 128 (16-, 32- and 64-token blocks, no in-block option)
     takes whole rows and the group in one program too, on k, v and the angles loaded and turned once: 8 warps and
@@ -161,8 +160,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     forward with a fused rotary under GQA, one program per query head, takes 8 at 64-token blocks and D >= 128
     (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now applies to D > 128 with in-block
     options), else 4.
-    16- and 32-token blocks keep 4 where they run one block a program (no measurement); in 64-row tiles the
-    launcher asks for the 64-token rule (``tiles.blocks_per_tile``).
+    16- and 32-token blocks keep 4 where they run one block a program (measured only for the rotary forward past
+    D = 128 above, where 8 lost); in 64-row tiles the launcher asks for the 64-token rule (``tiles.blocks_per_tile``).
 
     With a fused rotary the kernels work on pair halves, which must be at least 16 wide for the tensor cores:
     slices are at least 32 columns and at most 64 x 128 elements, and the backward does not run persistent (1.72x

@@ -111,7 +111,10 @@ def blocks_per_tile(block_size: int, head_dim: int, group: int, rotary: bool, in
     - under GQA, the backward everywhere (H100 8:2 at D = 32-128 1.28-1.92x -> 1.06-1.35x, with a rotary and fp32
       angles 1.84-2.91x -> 1.38-1.98x; H200 1.71-2.68x -> 1.13-1.88x), the forward up to D = 128 (H100 1.15-2.13x
       -> 1.11-1.31x, rotary 1.98-3.34x -> 1.16-1.43x). At D = 256 a 64-row tile takes two head-dim slices and one
-      program per query head: the forward lost there (H100 16-token blocks 1.07-1.26x -> 1.24-1.54x);
+      program per query head: the forward lost there (H100 16-token blocks 1.07-1.26x -> 1.24-1.54x); with a
+      rotary, where one block a program takes whole rows and the group (``kernel_config``), a tile doing the same
+      (8 warps, one stage) lost too (H200 8:2, fp32 angles: 16-token blocks 2.31x against 1.55x, 32-token blocks
+      2.23x against 1.59x);
     - without GQA, the backward (H100 1.01-1.41x -> 1.01-1.17x) but for the rotary from D = 4 * block_size (16-token
       blocks at D = 64, both at D = 128: H100 1.07-1.18x against 1.22-1.35x, H200 1.28-1.48x against 1.63-1.82x;
       below, H100 32-token blocks at D = 64 1.31x -> 1.14x), and the rotary forward (H100 1.54-2.50x -> 1.10-1.49x);
