@@ -157,6 +157,17 @@ def test_kernels_grid_cut_by_max_seqlen(variant, causal, head_dim, poisoned_outp
     assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, causal, False)
 
 
+@pytest.mark.parametrize("variant", KERNELS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernels_out_dtype(variant, out_dtype, poisoned_outputs):
+    """An output dtype other than the inputs' (fp16 inputs, fp32 or bf16 out), causal over tiles that need a mask
+    and tiles that do not."""
+    q, k, v, cu_q, cu_k = packed_inputs([5, 70, 33], [9, 50, 33], 4, 2, 64, torch.float16, KERNEL_DEVICE)
+    out, lse = run_variant(variant, q, k, v, cu_q, cu_k, True, False, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    assert_flash_accurate(out, lse, q, k, v, cu_q, cu_k, True, False)
+
+
 GPU_SHAPES = [(1, 1, 1), (2, 17, 17), (4, 128, 128), (1, 257, 257), (2, 512, 1024), (2, 1024, 512), (1, 2048, 2048)]
 
 
@@ -247,6 +258,19 @@ def test_gpu_fp8(variant, causal, bottom_right, head_dim, out_dtype, poisoned_ou
                                                  cu_q, cu_k, causal=causal, bottom_right=bottom_right)
     print(f"fp8 {variant} D={head_dim} causal={causal} bottom_right={bottom_right} out={out_dtype}: "
           f"{snr_db(out, exact):.1f} dB")
+    assert_fp8_accurate(out, lse, exact, exact_lse)
+
+
+@requires_gpu
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("head_dim", [16, 24, 40, 80, 96, 192])
+def test_gpu_fp8_head_dims(head_dim, causal, bottom_right, poisoned_outputs):
+    """fp8 at the head dims only the pipelined kernel takes (padded to a power of two, at least 32), GQA 4:1."""
+    q, k, v, cu_q, cu_k = packed_inputs([0, 300, 1, 129], [7, 300, 0, 200], 8, 2, head_dim, torch.float32, "cuda")
+    (q8, qs), (k8, ks), (v8, vs) = quantised(q), quantised(k), quantised(v)
+    out, lse = run_variant("pipelined", q8, k8, v8, cu_q, cu_k, causal, bottom_right, (qs, ks, vs))
+    exact, exact_lse = flash_attention_reference(dequantised(q8, qs), dequantised(k8, ks), dequantised(v8, vs),
+                                                 cu_q, cu_k, causal=causal, bottom_right=bottom_right)
     assert_fp8_accurate(out, lse, exact, exact_lse)
 
 
@@ -471,6 +495,51 @@ def test_gpu_cuda_graph_new_lengths(variant):
         graph.replay()
         expected = blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True, variant=variant)
         torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@requires_gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_cuda_graph_dense(fp8):
+    """A dense call captured once, replayed on new values of its inputs and, for fp8, of its descales: the results
+    of an eager call on them, bitwise."""
+    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda") for _ in range(3))
+    descales = {}
+    if fp8:
+        (q, qs), (k, ks), (v, vs) = quantised(q), quantised(k), quantised(v)
+        descales = {"q_descale": qs, "k_descale": ks, "v_descale": vs}
+    else:
+        q, k, v = (t.bfloat16() for t in (q, k, v))
+    graph, out = capture_cuda_graph(lambda: blockattn.flash_attention(q, k, v, causal=True, **descales))
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+    for descale in descales.values():
+        descale.mul_(1.5)
+    graph.replay()
+    torch.testing.assert_close(out, blockattn.flash_attention(q, k, v, causal=True, **descales), atol=0, rtol=0)
+
+
+@requires_gpu
+def test_gpu_compile_fullgraph_fp8():
+    """fp8 with its descales under ``torch.compile(fullgraph=True)``: the eager call's results, bitwise."""
+    q, k, v, cu_q, cu_k = packed_inputs([7, 0, 300], [9, 3, 200], 4, 2, 128, torch.float32, "cuda")
+    (q, qs), (k, ks), (v, vs) = quantised(q), quantised(k), quantised(v)
+
+    def call(q, k, v, cu_q, cu_k, qs, ks, vs):
+        return blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, q_descale=qs,
+                                                k_descale=ks, v_descale=vs, out_dtype=torch.float16)
+
+    compiled = torch.compile(call, fullgraph=True)
+    for got, want in zip(compiled(q, k, v, cu_q, cu_k, qs, ks, vs), call(q, k, v, cu_q, cu_k, qs, ks, vs)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@requires_gpu
+def test_gpu_variant_that_cannot_run_is_refused():
+    """A variant asked for that no kernel of this GPU takes (the warp-specialised one at D = 40) is a ValueError
+    naming each backend's reason, not a silent fallback."""
+    q = torch.randn(1, 64, 2, 40, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no backend takes.*takes head dims"):
+        blockattn.flash_attention(q, q, q, variant="warp_specialized")
 
 
 @requires_gpu
