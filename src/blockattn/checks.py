@@ -578,17 +578,21 @@ def num_tokens(x) -> int | None:
     return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None
 
 
-def block_structure(value, tokens: int | None, block_size_) -> tuple[torch.Tensor, int, BlockTable | None]:
+def block_structure(value, tokens: int | None, block_size_, block_size_of: str | None = None
+                    ) -> tuple[torch.Tensor, int, BlockTable | None]:
     """``offsets`` as passed to an attention function, a tensor or a :class:`BlockLayout` (then ``block_size``
     must be left out or match it, and it must be built for the ``tokens`` of the inputs): ``(offsets, block_size,
     table)``, the table ``None`` where the call builds its own. ``block_size`` ``None`` means the layout's or the
-    default."""
+    default; ``block_size_of`` names what set it where the caller did not pass it (a layer's, say)."""
     if not isinstance(value, BlockLayout):
         return value, DEFAULT_BLOCK_SIZE if block_size_ is None else block_size_, None
     if tokens is not None and value.num_tokens != tokens:
         raise ValueError(f"offsets is a BlockLayout built for N = {value.num_tokens} tokens, but the inputs have N = "
                          f"{tokens}")
     if block_size_ is not None and block_size_ != value.block_size:
+        if block_size_of is not None:
+            raise ValueError(f"offsets is a BlockLayout of {value.block_size}-token blocks, but {block_size_of} is "
+                             f"{block_size_}: build it with block_layout(offsets, N, block_size={block_size_})")
         raise ValueError(f"block_size={block_size_!r} differs from the BlockLayout's {value.block_size}: leave "
                          "block_size out when passing a layout")
     # The kernels read a table of exactly these shapes (a program may read a group of slots without a bound).

@@ -134,11 +134,7 @@ class BlockSelfAttention(nn.Module):
         checks.float_tensor("x", x, 2, "[N, d_model]")
         if x.shape[1] != self.d_model:
             raise ValueError(f"x must be [N, d_model={self.d_model}], got {tuple(x.shape)}")
-        if isinstance(offsets, BlockLayout) and offsets.block_size != self.block_size:
-            raise ValueError(f"offsets is a BlockLayout of {offsets.block_size}-token blocks, but this layer's "
-                             f"block_size is {self.block_size}: build it with block_layout(offsets, N, "
-                             f"block_size={self.block_size})")
-        boundaries = checks.block_structure(offsets, x.shape[0], self.block_size)[0]
+        boundaries = checks.block_structure(offsets, x.shape[0], self.block_size, "this layer's block_size")[0]
         checks.offsets(boundaries, x, "x")  # before the angles are computed from it
         w, bias = self.qkv.weight, self.qkv.bias
         # (meta tensors have no autocast: asking whether it is on raises)
