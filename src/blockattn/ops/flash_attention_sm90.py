@@ -25,13 +25,13 @@ taken before scaling), which a positive scale allows; a zero or negative one (a 
 as the Triton kernels do. On an H100 that ran 2-18% faster than scaling first at D = 64 and 128, and bf16 3% slower
 at D = 256, where the branch adds spills (docs/benchmarks.md).
 
-Consumers are not made to alternate their products (FlashAttention-3's ping-pong): on an H100 that measured no
-faster (docs/benchmarks.md). Nor are some exponentials computed by a polynomial on the FMA pipe (FlashAttention-4's
-trick): for fp8 on an H100 one score in eight lost up to 7% and one in two up to 50%, and with no exponential at
-all the kernel ran only 4-20% faster: the special-function unit is not what bounds it. A third consumer gives the tensor cores a third chain of products to interleave; its
-warpgroups then hold 160 registers a thread instead of 240 (``flash_attention.flash_config`` says where it runs).
-A multiprocessor holds one program (180 KB of shared memory at D = 128 with two consumers, 136 KB for fp8 with
-three).
+Consumers are not made to alternate their products (FlashAttention-3's ping-pong): on an H100 that measured no faster
+(docs/benchmarks.md). Nor are some exponentials computed by a polynomial on the FMA pipe (FlashAttention-4's trick): for
+fp8 on an H100 one score in eight lost up to 7% and one in two up to 50%, and with no exponential at all the kernel ran
+only 4-20% faster: the special-function unit is not what bounds it. A third consumer gives the tensor cores a third
+chain of products to interleave; its warpgroups then hold 160 registers a thread instead of 240
+(``flash_attention.flash_config`` says where it runs). A multiprocessor holds one program (180 KB of shared memory
+at D = 128 with two consumers, 136 KB for fp8 with three).
 
 Only the tiles that need it are masked: the one holding the sequence's last key, and under ``CAUSAL`` those crossing
 the diagonal; the others run without a select per score. Key tiles past the diagonal are never visited.
