@@ -192,7 +192,12 @@ def test_forward_heads_per_program_override(dtype):
     16-token blocks through the override. Other counts, and the group where the head dim takes several slices, are
     refused before any launch."""
     assert triton_ops.kernel_config(64, 128, backward=False, group=2)["HEADS_PER_PROGRAM"] == 2
-    assert triton_ops.kernel_config(128, 64, backward=False, group=2)["HEADS_PER_PROGRAM"] == 1
+    # At 128-token blocks the group takes a program up to D = 64, 16-bit, plain; one program per query head elsewhere
+    assert triton_ops.kernel_config(128, 64, backward=False, group=2)["HEADS_PER_PROGRAM"] == 2
+    assert triton_ops.kernel_config(128, 64, backward=False, group=2)["GROUP_STAGES"] == 2
+    for other in ({"head_dim": 128}, {"element_size": 4}, {"rotary": True}, {"in_block_bits": 1}):
+        assert triton_ops.kernel_config(**{"block_size": 128, "head_dim": 64, "backward": False, "group": 2,
+                                           **other})["HEADS_PER_PROGRAM"] == 1, other
     # The group's loop pipelined four deep, but for 16-bit groups of up to 4 heads at D = 128 without a rotary
     # (measured slower there)
     stages = {(group, d, size): triton_ops.kernel_config(64, d, backward=False, group=group,
@@ -213,6 +218,10 @@ def test_forward_heads_per_program_override(dtype):
                                                      **override)
 
     torch.testing.assert_close(forward(), forward(heads_per_program=1))
+    q, k, v, _, offsets = random_inputs(odd_lengths(128), 4, 2, 32, dtype, KERNEL_DEVICE)
+    table = build_block_table(offsets, q.shape[0], 128)
+    torch.testing.assert_close(*(triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 128, 0.125, None, 0,
+                                                                       heads_per_program=heads) for heads in (2, 1)))
     torch.testing.assert_close(forward(heads_per_program=2, group_stages=1), forward(heads_per_program=1))
     with pytest.raises(ValueError, match="group_stages must be at least 1"):
         forward(group_stages=0)

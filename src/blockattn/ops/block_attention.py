@@ -135,6 +135,13 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     D = 128 1.46x -> 1.25x. Two stages lost to one (bf16 8:1 1.17x against 1.03x on the H100), and so did four with
     in-block options (the causal mask and the position bias at 4:1: 5.33 ms against 1.73), which keep one.
 
+    The same holds for the 16-bit forward under GQA at 128-token blocks up to D = 64 (one slice), without a rotary or
+    in-block options: the group in a program, 4 warps, two stages. H200, the sweep's lengths, 8 query heads, bf16,
+    over the floor against a program per query head (2026-11-28; not measured on an H100): D = 32 8:1 4.13x ->
+    3.29x (8 warps: 3.21x two stages, 3.23x one), 8:2 3.77x -> 3.12x; D = 64 8:1 2.58x -> 2.38x, 8:2 2.37x ->
+    2.20x (8 warps 3.10-3.25x). At D = 128 (two slices a program; whole rows with the group lost: 2.36x against
+    2.06x at 8:1) it stays a program per query head.
+
     The 16-bit forward with a fused rotary under GQA past D = 128 (16-, 32- and 64-token blocks, no in-block option)
     takes whole rows and the group in one program too, on k, v and the angles loaded and turned once: 8 warps and
     two stages at 64-token blocks, 4 warps and one stage below (one block a program there: ``tiles.blocks_per_tile``).
@@ -154,9 +161,9 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     -> 1.00x) and lost on the H200 (1.10x -> 1.18x); at D = 64 it tied or lost (H100 1.00x -> 1.02x, H200 1.17x ->
     1.19x); three stages lost everywhere (H100 8 heads 1.11x).
 
-    Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks), slices wider than 64 x 128, or,
-    at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4, which beat 2
-    and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit
+    Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks, but for the group above), slices
+    wider than 64 x 128, or, at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4,
+    which beat 2 and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit
     forward with a fused rotary under GQA, one program per query head, takes 8 at 64-token blocks and D >= 128
     (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now applies to D > 128 with in-block
     options), else 4.
@@ -188,8 +195,11 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     chunk = block_d if wide_rotary_group else min(block_d, max(min_width, max_slice // block_size))
     wide = ((block_size * chunk > 64 * 128 and not wide_rotary_group)
             or (backward and group > 1 and block_size == 64 and chunk >= 128))
-    heads_per_program = (group if not backward and (block_size == 64 or wide_rotary_group) and chunk >= block_d
-                         else 1)
+    # The 16-bit forward under GQA at 128-token blocks up to D = 64 (whole rows), plain: the group in a program
+    wide_block_group = (not backward and block_size == 128 and group > 1 and block_d <= 64 and element_size == 2
+                        and not rotary and not in_block_bits)
+    heads_per_program = (group if not backward and (block_size == 64 or wide_rotary_group or wide_block_group)
+                         and chunk >= block_d else 1)
     mha_rotary_heads = (not backward and rotary and fp32_angles and group == 1 and element_size == 2
                         and block_size == 64 and block_d == 128 and chunk >= block_d and not in_block_bits)
     if mha_rotary_heads:
@@ -204,12 +214,13 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "PIPELINE_STAGES": 3 if pipelined else 1,
         "GROUP_STAGES": ((2 if group > 1 and not rotary else 1) if backward
                          else (2 if block_size == 64 else 1) if wide_rotary_group
+                         else 2 if wide_block_group
                          else 2 if mha_rotary_heads and heads_per_program > 1
                          else 4 if heads_per_program > 1 and not in_block_bits
                          and not (element_size == 2 and group <= 4 and block_d == 128 and not rotary) else 1),
         "HEADS_PER_PROGRAM": heads_per_program,
-        "NUM_WARPS": (8 if block_size == 128 or wide or rotary_gqa_fwd or (wide_rotary_group and block_size == 64)
-                      else 4),
+        "NUM_WARPS": (8 if (block_size == 128 and not wide_block_group) or wide or rotary_gqa_fwd
+                      or (wide_rotary_group and block_size == 64) else 4),
     })
 
 

@@ -188,7 +188,9 @@ def softmax_probs(scores, col_ok, qk_scale_log2, bias=None, keys=None):
     else:
         scores = tl.where(col_ok[None, :] & keys, scores, float("-inf"))
     p = tl.exp2(scores - tl.max(scores, axis=1)[:, None])
-    return p / tl.sum(p, axis=1)[:, None]
+    # A reciprocal a row and a multiply a score: a division per score compiles to div.full.f32, a MUFU.RCP and its
+    # fix-ups (on an H200, 2026-11-28: 128-token blocks at D = 32 and 64 3-6% faster, elsewhere 0-3%)
+    return p * (1.0 / tl.sum(p, axis=1))[:, None]
 
 
 @triton.jit
