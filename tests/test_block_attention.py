@@ -187,15 +187,17 @@ def test_backward_chunk_override(chunk, rotary):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_forward_heads_per_program_override(dtype):
-    """Under GQA the forward's rule runs a kv head's group of query heads in one program at 64-token blocks (k and v
-    read, and turned by a rotary, once); one program per query head gives the same output, here on 64-row tiles of
-    16-token blocks through the override. Other counts, and the group where the head dim takes several slices, are
-    refused before any launch."""
+    """Under GQA the forward's rule runs a kv head's group of query heads in one program at 64-token blocks, and at
+    128-token blocks up to D = 64 (k and v read, and turned by a rotary, once); one program per query head gives the
+    same output, here on 64-row tiles of 16-token blocks and on 128-token blocks through the override. Other counts,
+    and the group where the head dim takes several slices, are refused before any launch."""
     assert triton_ops.kernel_config(64, 128, backward=False, group=2)["HEADS_PER_PROGRAM"] == 2
-    # At 128-token blocks the group takes a program up to D = 64, 16-bit, plain; one program per query head elsewhere
-    assert triton_ops.kernel_config(128, 64, backward=False, group=2)["HEADS_PER_PROGRAM"] == 2
-    assert triton_ops.kernel_config(128, 64, backward=False, group=2)["GROUP_STAGES"] == 2
-    for other in ({"head_dim": 128}, {"element_size": 4}, {"rotary": True}, {"in_block_bits": 1}):
+    # At 128-token blocks the group takes a program up to D = 64, 16-bit, without in-block options; one program per
+    # query head elsewhere
+    for rotary, stages in ((False, 2), (True, 1)):
+        cfg = triton_ops.kernel_config(128, 64, backward=False, group=2, rotary=rotary)
+        assert (cfg["HEADS_PER_PROGRAM"], cfg["GROUP_STAGES"], cfg["NUM_WARPS"]) == (2, stages, 4)
+    for other in ({"head_dim": 128}, {"element_size": 4}, {"in_block_bits": 1}):
         assert triton_ops.kernel_config(**{"block_size": 128, "head_dim": 64, "backward": False, "group": 2,
                                            **other})["HEADS_PER_PROGRAM"] == 1, other
     # The group's loop pipelined four deep, but for 16-bit groups of up to 4 heads at D = 128 without a rotary
@@ -218,17 +220,19 @@ def test_forward_heads_per_program_override(dtype):
                                                      **override)
 
     torch.testing.assert_close(forward(), forward(heads_per_program=1))
+    # On a GPU the two launches may round a few fp16 rotated operands, and so a few outputs, the other way (4 of
+    # 22 784 outputs by up to 6e-5 on an H100).
+    close = {"atol": 1e-3, "rtol": 1e-3} if dtype == torch.float16 else {}
     q, k, v, _, offsets = random_inputs(odd_lengths(128), 4, 2, 32, dtype, KERNEL_DEVICE)
     table = build_block_table(offsets, q.shape[0], 128)
-    torch.testing.assert_close(*(triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 128, 0.125, None, 0,
-                                                                       heads_per_program=heads) for heads in (2, 1)))
+    for angles, rotate in ((None, 0), (random_angles(q.shape[0], 32, device=KERNEL_DEVICE), ROTATE_ALL)):
+        torch.testing.assert_close(*(triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 128, 0.125,
+                                                                           angles, rotate, heads_per_program=heads)
+                                     for heads in (2, 1)), **close)
     torch.testing.assert_close(forward(heads_per_program=2, group_stages=1), forward(heads_per_program=1))
     with pytest.raises(ValueError, match="group_stages must be at least 1"):
         forward(group_stages=0)
     angles = random_angles(sum(odd_lengths(16)), 64, device=KERNEL_DEVICE)
-    # On a GPU the two launches may round a few fp16 rotated operands, and so a few outputs, the other way (4 of
-    # 22 784 outputs by up to 6e-5 on an H100).
-    close = {"atol": 1e-3, "rtol": 1e-3} if dtype == torch.float16 else {}
     torch.testing.assert_close(forward(sinu_pos=angles, rotate=ROTATE_ALL),
                                forward(sinu_pos=angles, rotate=ROTATE_ALL, heads_per_program=1), **close)
     for bad in (3, 4):
@@ -254,18 +258,21 @@ def test_forward_heads_per_program_override(dtype):
 
 
 def test_forward_heads_per_program_with_fp32_angles_without_gqa():
-    """Without GQA, a rotary fed fp32 angles (16-bit inputs, 64-token blocks, D = 128, no option) runs up to 4
-    query heads a program, two stages deep (measured faster on an H100 and an H200); elsewhere one. The rule's
-    launch gives the output of one head a program."""
+    """Without GQA, a rotary fed fp32 angles (16-bit inputs, 64-token blocks at D = 128 and 128-token blocks at
+    D = 64, no option) runs up to 4 query heads a program, two stages deep, 4 warps (measured faster on an H100 and
+    an H200, the second on an H200); elsewhere one. The rule's launch gives the output of one head a program."""
     def rule(**changes):
         args = {"rotary": True, "fp32_angles": True, "num_heads": 8, "element_size": 2, "in_block_bits": 0,
                 "head_dim": 128, "block_size": 64} | changes
         cfg = triton_ops.kernel_config(args.pop("block_size"), args.pop("head_dim"), backward=False, **args)
         return cfg["HEADS_PER_PROGRAM"], cfg["GROUP_STAGES"]
-    assert rule() == (4, 2) and rule(num_heads=12) == (4, 2)
+    assert rule() == (4, 2) and rule(num_heads=12) == (4, 2) and rule(block_size=128, head_dim=64) == (4, 2)
+    assert triton_ops.kernel_config(128, 64, backward=False, rotary=True, fp32_angles=True, num_heads=8)[
+        "NUM_WARPS"] == 4
     assert rule(num_heads=3) == (3, 2) and rule(num_heads=6) == (3, 2) and rule(num_heads=2) == (2, 2)
     assert rule(num_heads=5) == (1, 1) and rule(num_heads=1) == (1, 1)
-    for other in ({"fp32_angles": False}, {"head_dim": 64}, {"block_size": 32}, {"element_size": 1},
+    for other in ({"fp32_angles": False}, {"head_dim": 64}, {"block_size": 32}, {"block_size": 128},
+                  {"block_size": 128, "head_dim": 32}, {"element_size": 1},
                   {"element_size": 4}, {"in_block_bits": in_block.CAUSAL.value}, {"rotary": False}):
         assert rule(**other) == (1, 1), other
 
@@ -278,6 +285,12 @@ def test_forward_heads_per_program_with_fp32_angles_without_gqa():
                                                      **override)
     # On a GPU the two launches may round a few fp16 outputs the other way (one unit in the last place).
     torch.testing.assert_close(forward(), forward(heads_per_program=1), atol=1e-3, rtol=1e-3)
+    q, k, v, _, offsets = random_inputs([200, 1, 128], 4, 4, 64, torch.float16, KERNEL_DEVICE)
+    table = build_block_table(offsets, q.shape[0], 128)
+    angles = random_angles(q.shape[0], 64, torch.float32, KERNEL_DEVICE)
+    torch.testing.assert_close(*(triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 128, 0.125, angles,
+                                                                       ROTATE_ALL, heads_per_program=heads)
+                                 for heads in (None, 1)), atol=1e-3, rtol=1e-3)
 
 
 def test_forward_rotary_past_d128_runs_the_group_on_whole_rows():

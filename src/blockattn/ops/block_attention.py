@@ -135,12 +135,14 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     D = 128 1.46x -> 1.25x. Two stages lost to one (bf16 8:1 1.17x against 1.03x on the H100), and so did four with
     in-block options (the causal mask and the position bias at 4:1: 5.33 ms against 1.73), which keep one.
 
-    The same holds for the 16-bit forward under GQA at 128-token blocks up to D = 64 (one slice), without a rotary or
-    in-block options: the group in a program, 4 warps, two stages. H200, the sweep's lengths, 8 query heads, bf16,
-    over the floor against a program per query head (2026-11-28; not measured on an H100): D = 32 8:1 4.13x ->
-    3.29x (8 warps: 3.21x two stages, 3.23x one), 8:2 3.77x -> 3.12x; D = 64 8:1 2.58x -> 2.38x, 8:2 2.37x ->
-    2.20x (8 warps 3.10-3.25x). At D = 128 (two slices a program; whole rows with the group lost: 2.36x against
-    2.06x at 8:1) it stays a program per query head.
+    The same holds for the 16-bit forward under GQA at 128-token blocks up to D = 64 (one slice), without in-block
+    options: the group in a program, 4 warps, two stages (one with a rotary). H200, the sweep's lengths, 8 query
+    heads, bf16, over the floor against a program per query head (2026-11-28; not measured on an H100): D = 32 8:1
+    4.13x -> 3.29x (8 warps: 3.21x two stages, 3.23x one), 8:2 3.77x -> 3.12x; D = 64 8:1 2.58x -> 2.38x, 8:2
+    2.37x -> 2.20x (8 warps 3.10-3.25x); with a rotary and fp32 angles D = 32 8:1 3.60x -> 3.33x, 8:2 3.35x ->
+    3.00x, D = 64 8:1 3.79x -> 2.52x, 8:2 3.57x -> 2.43x (two stages 2-4% slower but at D = 32 8:1, 3.23x; 8
+    warps 2.85-4.88x). At D = 128 (two slices a program; whole rows with the group lost: 2.36x against 2.06x at
+    8:1) it stays a program per query head.
 
     The 16-bit forward with a fused rotary under GQA past D = 128 (16-, 32- and 64-token blocks, no in-block option)
     takes whole rows and the group in one program too, on k, v and the angles loaded and turned once: 8 warps and
@@ -152,21 +154,24 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     blocks 1.37-1.90x, 4 at 64-token blocks 2.13x; one stage 1.65x and 1.78x); H200 64-token blocks 8:2 2.87x ->
     2.11x, 8:1 3.07x -> 2.23x.
 
-    Without GQA, a forward with a fused rotary fed fp32 angles (16-bit inputs, 64-token blocks, D = 128, no in-block
-    option) runs up to 4 query heads a program (the largest divisor of ``num_heads`` up to 4), each on its own k and
-    v, on the block's angles read once, its loop two stages deep: every program re-read the block's 32 KiB of angles
-    from L2, half again the bytes of its q, k, v and output tiles. At `ads` lengths (2026-11-25), one head a program
-    against four, two stages: H100 8 heads 1.10x -> 1.02x the floor, 4 heads 1.08x -> 1.01x, 3 heads (3 a program)
-    1.07x -> 1.02x; H200 8 heads 1.34x -> 1.19x, 4 heads 1.30x -> 1.15x. With bf16 angles it tied on the H100 (0.99x
-    -> 1.00x) and lost on the H200 (1.10x -> 1.18x); at D = 64 it tied or lost (H100 1.00x -> 1.02x, H200 1.17x ->
-    1.19x); three stages lost everywhere (H100 8 heads 1.11x).
+    Without GQA, a forward with a fused rotary fed fp32 angles (16-bit inputs, 64-token blocks at D = 128 and
+    128-token blocks at D = 64, no in-block option) runs up to 4 query heads a program (the largest divisor of
+    ``num_heads`` up to 4), each on its own k and v, on the block's angles read once, its loop two stages deep, 4
+    warps: every program re-read the block's 32 KiB of angles from L2, half again the bytes of its q, k, v and output
+    tiles. At `ads` lengths (2026-11-25), one head a program against four, two stages: H100 8 heads 1.10x -> 1.02x
+    the floor, 4 heads 1.08x -> 1.01x, 3 heads (3 a program) 1.07x -> 1.02x; H200 8 heads 1.34x -> 1.19x, 4 heads
+    1.30x -> 1.15x. With bf16 angles it tied on the H100 (0.99x -> 1.00x) and lost on the H200 (1.10x -> 1.18x); at
+    D = 64 it tied or lost (H100 1.00x -> 1.02x, H200 1.17x -> 1.19x); three stages lost everywhere (H100 8 heads
+    1.11x). At 128-token blocks, H200, the sweep's lengths, 8 heads (2026-11-28): D = 64 2.33x -> 2.01x (2 heads a
+    program 2.09x, 8 warps 2.09x); at D = 32 it lost (2.20x -> 2.35x), and at 64-token blocks and D = 64 it won only
+    3% (1.27x -> 1.23x).
 
-    Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks, but for the group above), slices
-    wider than 64 x 128, or, at 64-token blocks, dk and dv accumulators of 128+ columns across a GQA group; else 4,
-    which beat 2 and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit
-    forward with a fused rotary under GQA, one program per query head, takes 8 at 64-token blocks and D >= 128
-    (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now applies to D > 128 with in-block
-    options), else 4.
+    Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks, but for the groups and heads a
+    program above), slices wider than 64 x 128, or, at 64-token blocks, dk and dv accumulators of 128+ columns across
+    a GQA group; else 4, which beat 2 and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at
+    D = 64 under GQA). The 16-bit forward with a fused rotary under GQA, one program per query head, takes 8 at
+    64-token blocks and D >= 128 (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now
+    applies to D > 128 with in-block options), else 4.
     16- and 32-token blocks keep 4 where they run one block a program (measured only for the rotary forward past
     D = 128 above, where 8 lost); in 64-row tiles the launcher asks for the 64-token rule (``tiles.blocks_per_tile``).
 
@@ -195,13 +200,15 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     chunk = block_d if wide_rotary_group else min(block_d, max(min_width, max_slice // block_size))
     wide = ((block_size * chunk > 64 * 128 and not wide_rotary_group)
             or (backward and group > 1 and block_size == 64 and chunk >= 128))
-    # The 16-bit forward under GQA at 128-token blocks up to D = 64 (whole rows), plain: the group in a program
+    # The 16-bit forward under GQA at 128-token blocks up to D = 64 (whole rows), no in-block option: the group in a
+    # program
     wide_block_group = (not backward and block_size == 128 and group > 1 and block_d <= 64 and element_size == 2
-                        and not rotary and not in_block_bits)
+                        and not in_block_bits)
     heads_per_program = (group if not backward and (block_size == 64 or wide_rotary_group or wide_block_group)
                          and chunk >= block_d else 1)
     mha_rotary_heads = (not backward and rotary and fp32_angles and group == 1 and element_size == 2
-                        and block_size == 64 and block_d == 128 and chunk >= block_d and not in_block_bits)
+                        and (block_size, block_d) in ((64, 128), (128, 64)) and chunk >= block_d
+                        and not in_block_bits)
     if mha_rotary_heads:
         heads_per_program = max(h for h in (1, 2, 3, 4) if num_heads % h == 0)
     rotary_gqa_fwd = (not backward and rotary and group > 1 and element_size == 2 and block_size == 64
@@ -214,13 +221,13 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "PIPELINE_STAGES": 3 if pipelined else 1,
         "GROUP_STAGES": ((2 if group > 1 and not rotary else 1) if backward
                          else (2 if block_size == 64 else 1) if wide_rotary_group
-                         else 2 if wide_block_group
+                         else (1 if rotary else 2) if wide_block_group
                          else 2 if mha_rotary_heads and heads_per_program > 1
                          else 4 if heads_per_program > 1 and not in_block_bits
                          and not (element_size == 2 and group <= 4 and block_d == 128 and not rotary) else 1),
         "HEADS_PER_PROGRAM": heads_per_program,
-        "NUM_WARPS": (8 if (block_size == 128 and not wide_block_group) or wide or rotary_gqa_fwd
-                      or (wide_rotary_group and block_size == 64) else 4),
+        "NUM_WARPS": (8 if (block_size == 128 and not (wide_block_group or mha_rotary_heads)) or wide
+                      or rotary_gqa_fwd or (wide_rotary_group and block_size == 64) else 4),
     })
 
 
