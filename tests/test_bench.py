@@ -614,6 +614,32 @@ def test_sweep_times_one_pass_when_asked(fake_gpu, tmp_path):
     assert "bfloat16" in out.getvalue()
 
 
+def test_sweep_newest_figures_merge_reports_by_date():
+    """Sweeps run one axis at a time: each configuration and pass keeps the figure of the newest report that timed
+    it (a backward-only rerun replaces the backward alone), per device; the table spans the GQA ratios of a row."""
+    def report(device, date, rows):
+        return {"environment": {"device": device, "date": date}, "results": [
+            {"block_size": 64, "head_dim": 128, "kv_heads": kv, "dtype": dtype, "rotary": "none", "gqa": 8 // kv,
+             **{p: {"x_floor": x} for p, x in passes.items()}} for kv, dtype, passes in rows]}
+
+    old = report("H100", "2026-11-27T10:00", [(8, "bfloat16", {"fwd": 1.5, "bwd": 1.6}),
+                                              (2, "bfloat16", {"fwd": 1.2, "bwd": 1.3}),
+                                              (8, "float16", {"fwd": 9.0, "bwd": 9.0})])
+    new_bwd = report("H100", "2026-11-28T08:00", [(8, "bfloat16", {"bwd": 1.1})])
+    other_gpu = report("H200", "2026-11-26T08:00", [(8, "bfloat16", {"fwd": 2.0, "bwd": 2.0})])
+    # Given out of date order: the date decides, not the order
+    merged = sweep.newest_figures([("new", new_bwd), ("h200", other_gpu), ("old", old)], dtypes=("bfloat16",))
+    assert set(merged) == {"H100", "H200"}
+    h100 = merged["H100"]
+    assert set(h100) == {(64, 128, 8, "bfloat16", "none"), (64, 128, 2, "bfloat16", "none")}  # no float16
+    mha = h100[(64, 128, 8, "bfloat16", "none")]
+    assert (mha["fwd"]["x_floor"], mha["fwd"]["name"]) == (1.5, "old")
+    assert (mha["bwd"]["x_floor"], mha["bwd"]["name"]) == (1.1, "new")
+    table = sweep.summary_table(h100).splitlines()
+    assert table[0].startswith("| dtype | BS | D | fwd, none |") and len(table) == 3
+    assert table[2].startswith("| bfloat16 | 64 | 128 | 1.20–1.50 |") and "| 1.10–1.30 |" in table[2]
+
+
 def test_baselines_say_why_not_here():
     assert set(NEEDS) == set(BASELINES)
     for name in BASELINES:

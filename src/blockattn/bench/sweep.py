@@ -187,6 +187,44 @@ def print_report(report: dict, console) -> None:
                       f"{f['rotary']}: {f['reason']}", style="bold red", markup=False)
 
 
+def newest_figures(reports: list[tuple[str, dict]], dtypes: tuple[str, ...] = DTYPES) -> dict[str, dict]:
+    """Per device, every configuration's newest figures over ``reports`` (``(name, report)`` pairs; sweeps are
+    often run one axis at a time, so the grid's state is spread over many): for each configuration of ``dtypes`` and
+    each pass, that pass's entry from the newest report that timed it, with the report's ``date`` and ``name``.
+    Returned as ``{device: {(block_size, head_dim, kv_heads, dtype, rotary): row}}``, rows as a report's."""
+    merged: dict[str, dict] = {}
+    for name, report in reports:
+        env = report["environment"]
+        device = merged.setdefault(env["device"], {})
+        for row in report["results"]:
+            if row["dtype"] not in dtypes:
+                continue
+            key = (row["block_size"], row["head_dim"], row["kv_heads"], row["dtype"], row["rotary"])
+            entry = device.setdefault(key, {k: v for k, v in row.items() if k not in PASSES})
+            for pass_name in PASSES:
+                if pass_name in row and env["date"] >= entry.get(pass_name, {}).get("date", ""):
+                    entry[pass_name] = {**row[pass_name], "date": env["date"], "name": name}
+    return merged
+
+
+def summary_table(results: dict) -> str:
+    """Markdown of one device's :func:`newest_figures`: a row per (dtype, block size, head dim), a column per
+    (pass, rotary), each cell the time over the floor across the GQA ratios measured (min-max)."""
+    columns = [(p, r) for p in PASSES for r in ROTARY]
+    rows = sorted({(k[3], k[0], k[1]) for k in results}, key=lambda k: (DTYPES.index(k[0]), k[1], k[2]))
+    lines = ["| dtype | BS | D | " + " | ".join(f"{p}, {r}" for p, r in columns) + " |",
+             "|---" * (3 + len(columns)) + "|"]
+    for dtype, bs, d in rows:
+        cells = []
+        for pass_name, rotary in columns:
+            values = [e[pass_name]["x_floor"] for k, e in results.items()
+                      if k[:2] == (bs, d) and k[3:] == (dtype, rotary) and pass_name in e]
+            cells.append("" if not values else f"{min(values):.2f}" if len(values) == 1
+                         else f"{min(values):.2f}–{max(values):.2f}")
+        lines.append(f"| {dtype} | {bs} | {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def heatmap(report: dict):
     """One panel per (pass timed, dtype, rotary): block size and head dim down, GQA ratio across, x floor in
     colour."""
