@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from conftest import (
+    HAS_GPU,
     KERNEL_DEVICE,
     KERNEL_DTYPES,
     absolute_slack,
@@ -159,6 +160,35 @@ def test_fused_kernels_packed_qkv_layout(hq, hkv, rotate, poisoned_outputs):
     dqkv = tiles.new_output(qkv)
     out, *grads = run_kernels(q, k, v, do, offsets, bs, sinu_pos, rotate, grads=split_heads(dqkv, hq, hkv))
     assert all(g.data_ptr() == p.data_ptr() for g, p in zip(grads, split_heads(dqkv, hq, hkv)))
+    assert_within_2x_pytorch((out, *split_heads(dqkv, hq, hkv)), q, k, v, do, offsets, bs, sinu_pos=sinu_pos,
+                             rotate=rotate)
+
+
+@pytest.mark.parametrize("rotate", [ROTATE_ALL, rotate_mask(("q", "k")), rotate_mask(("v",))], ids=["qkv", "qk", "v"])
+def test_backward_rotated_apart_at_128_token_blocks_past_d128(rotate, poisoned_outputs, monkeypatch):
+    """At 128-token blocks past D = 128 under GQA the Triton backward rotates apart (the rotary kernel, the plain
+    backward, the rotary kernel turning the gradients back): within the accuracy contract, the gradients written into
+    views of one packed buffer, and only there (D = 128, or without GQA, keeps the fused rotation)."""
+    from blockattn.ops import block_attention as triton_ops
+
+    assert triton_ops.rotates_apart(128, 256, 2) and triton_ops.rotates_apart(128, 136, 4)
+    assert not (triton_ops.rotates_apart(128, 128, 2) or triton_ops.rotates_apart(128, 256, 1)
+                or triton_ops.rotates_apart(64, 256, 2))
+    rotated = []
+    turn = rotary_impl.rotary_triton
+    monkeypatch.setattr(triton_ops, "rotary_triton", lambda *a, **kw: rotated.append(a[2]) or turn(*a, **kw))
+    hq, hkv, d, bs = 4, 2, 136, 128
+    lengths = odd_lengths(bs) if HAS_GPU else [0, 1, bs + 1]  # the interpreter: a full block and two partial ones
+    _, _, _, do, offsets = random_inputs(lengths, hq, hkv, d, torch.float16, KERNEL_DEVICE)
+    n = do.shape[0]
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, dtype=torch.float16, device=KERNEL_DEVICE)
+    q, k, v = split_heads(qkv, hq, hkv)
+    sinu_pos = random_angles(n, d, torch.float32, KERNEL_DEVICE)
+    dqkv = tiles.new_output(qkv)
+    out, *grads = run_kernels(q, k, v, do, offsets, bs, sinu_pos, rotate, grads=split_heads(dqkv, hq, hkv))
+    assert all(g.data_ptr() == p.data_ptr() for g, p in zip(grads, split_heads(dqkv, hq, hkv)))
+    # the forward rotates fused; the backward's rotary kernel turns each rotated operand, then its gradient back
+    assert rotated == [False] * rotate.bit_count() + [True] * rotate.bit_count()
     assert_within_2x_pytorch((out, *split_heads(dqkv, hq, hkv)), q, k, v, do, offsets, bs, sinu_pos=sinu_pos,
                              rotate=rotate)
 

@@ -50,6 +50,7 @@ from .rotary import (
     load_words,
     pair_aligned,
     pairs_readable,
+    rotary_triton,
     split_words,
     store_pairs,
     store_pairs_wide,
@@ -929,18 +930,52 @@ def block_attention_bwd_triton(
     partials = in_block.bias_grad_partials(options, table.num_slots, block_size, q)
     if table.num_slots == 0:
         return in_block.summed_bias_grads(options, partials)
+    overrides = {"num_warps": num_warps, "maxnreg": maxnreg, "slices_per_program": slices_per_program,
+                 "chunk": chunk, "group_stages": group_stages, "pipeline_stages": pipeline_stages}
+    if rotate and rotates_apart(block_size, q.shape[-1], q.shape[1] // k.shape[1]):
+        _bwd_rotated_apart(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials,
+                           grads, overrides)
+        return in_block.summed_bias_grads(options, partials)
     targets = grads
     if rotate:
         q, k, v, grad_out = (pair_aligned(t) for t in (q, k, v, grad_out))
         # Gradients are stored as pair words too: those that cannot take them are written apart and copied.
         targets = tuple(g if pairs_readable(g) else tiles.new_output(pair_aligned(g)) for g in grads)
     _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials, targets,
-                num_warps=num_warps, maxnreg=maxnreg, slices_per_program=slices_per_program, chunk=chunk,
-                group_stages=group_stages, pipeline_stages=pipeline_stages)
+                **overrides)
     for grad, target in zip(grads, targets):
         if target is not grad:
             grad.copy_(target)
     return in_block.summed_bias_grads(options, partials)
+
+
+def rotates_apart(block_size: int, head_dim: int, group: int) -> bool:
+    """Whether the Triton backward of a fused rotary rotates apart: the rotated operands written by the rotary
+    kernel, the plain backward run on them, its gradients turned back by the rotary kernel. At 128-token blocks past
+    D = 128 under GQA, where each 64-column slice's program turns the block's q, k and v for its scores and spills
+    registers (1 608 bytes a thread at 8:2, 288 without a rotary; ptxas): the fused backward took 15.7-25.6x the
+    floor against 7.0-9.0x for the plain one; rotating apart, 8.6-10.5x (8:4 to 8:1 at D = 256, fp32 and bf16
+    angles, the sweep's lengths, H200, 2026-11-28; not measured on an H100). Without GQA the fused one is within
+    1.5x of the plain one (2.96-3.48x against 2.34x there) and stays."""
+    return block_size == 128 and head_dim > 128 and group > 1
+
+
+def _bwd_rotated_apart(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials,
+                       grads, overrides) -> None:
+    """:func:`rotates_apart`'s backward: the operands in ``rotate`` rotated as an unfused rotary stores them (in
+    their dtype), the plain backward's gradients of them (in the gradients' dtype, as an unfused rotary's backward
+    receives them) turned back into ``grads``."""
+    turned = (ROTATE_Q.value, ROTATE_K.value, ROTATE_V.value)
+    operands = [rotary_triton(t, sinu_pos, False) if rotate & bit else t for t, bit in zip((q, k, v), turned)]
+    targets = [tiles.new_output(g) if rotate & bit else g for g, bit in zip(grads, turned)]
+    _launch_bwd(grad_out, *operands, offsets, table, block_size, scale, None, 0, options, partials, targets,
+                **overrides)
+    for grad, target, bit in zip(grads, targets, turned):
+        if rotate & bit:
+            if pairs_readable(grad):
+                rotary_triton(target, sinu_pos, True, out=grad)
+            else:
+                grad.copy_(rotary_triton(target, sinu_pos, True))
 
 
 def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials, grads, *,

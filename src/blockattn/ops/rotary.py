@@ -222,11 +222,13 @@ def pair_aligned(x: torch.Tensor) -> torch.Tensor:
     return x if pairs_readable(x) else x.contiguous()
 
 
-def rotary_triton(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """``[N, H, D]`` rotated by ``sinu_pos`` (or by the opposite angles), in ``x``'s dtype."""
+def rotary_triton(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, H, D]`` rotated by ``sinu_pos`` (or by the opposite angles), in ``x``'s dtype; written into ``out``
+    (``x``'s shape and dtype, pairs readable) when given."""
     n, h, d = x.shape
     x = pair_aligned(x)
-    y = tiles.new_output(x)
+    y = tiles.new_output(x) if out is None else out
     if y.numel() == 0:
         return y
     pairs = triton.next_power_of_2(d // 2)
