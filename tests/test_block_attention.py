@@ -192,12 +192,12 @@ def test_forward_heads_per_program_override(dtype):
     same output, here on 64-row tiles of 16-token blocks and on 128-token blocks through the override. Other counts,
     and the group where the head dim takes several slices, are refused before any launch."""
     assert triton_ops.kernel_config(64, 128, backward=False, group=2)["HEADS_PER_PROGRAM"] == 2
-    # At 128-token blocks the group takes a program up to D = 64, 16-bit, without in-block options; one program per
-    # query head elsewhere
-    for rotary, stages in ((False, 2), (True, 1)):
-        cfg = triton_ops.kernel_config(128, 64, backward=False, group=2, rotary=rotary)
+    # At 128-token blocks the group takes a program on 32- and 64-wide tiles, 16-bit, without in-block options (a
+    # rotary pads D = 16 to 32); one program per query head elsewhere
+    for head_dim, rotary, stages in ((64, False, 2), (24, False, 2), (64, True, 1), (16, True, 1)):
+        cfg = triton_ops.kernel_config(128, head_dim, backward=False, group=2, rotary=rotary)
         assert (cfg["HEADS_PER_PROGRAM"], cfg["GROUP_STAGES"], cfg["NUM_WARPS"]) == (2, stages, 4)
-    for other in ({"head_dim": 128}, {"element_size": 4}, {"in_block_bits": 1}):
+    for other in ({"head_dim": 128}, {"head_dim": 16}, {"element_size": 4}, {"in_block_bits": 1}):
         assert triton_ops.kernel_config(**{"block_size": 128, "head_dim": 64, "backward": False, "group": 2,
                                            **other})["HEADS_PER_PROGRAM"] == 1, other
     # The group's loop pipelined four deep, but for 16-bit groups of up to 4 heads at D = 128 without a rotary
@@ -267,8 +267,9 @@ def test_forward_heads_per_program_with_fp32_angles_without_gqa():
         cfg = triton_ops.kernel_config(args.pop("block_size"), args.pop("head_dim"), backward=False, **args)
         return cfg["HEADS_PER_PROGRAM"], cfg["GROUP_STAGES"]
     assert rule() == (4, 2) and rule(num_heads=12) == (4, 2) and rule(block_size=128, head_dim=64) == (4, 2)
-    assert triton_ops.kernel_config(128, 64, backward=False, rotary=True, fp32_angles=True, num_heads=8)[
-        "NUM_WARPS"] == 4
+    # 4 warps where a program runs several heads; one head (5 heads: no divisor up to 4) keeps 8
+    assert [triton_ops.kernel_config(128, 64, backward=False, rotary=True, fp32_angles=True, num_heads=heads)[
+        "NUM_WARPS"] for heads in (8, 5)] == [4, 8]
     assert rule(num_heads=3) == (3, 2) and rule(num_heads=6) == (3, 2) and rule(num_heads=2) == (2, 2)
     assert rule(num_heads=5) == (1, 1) and rule(num_heads=1) == (1, 1)
     for other in ({"fp32_angles": False}, {"head_dim": 64}, {"block_size": 32}, {"block_size": 128},

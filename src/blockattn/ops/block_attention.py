@@ -136,8 +136,9 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     D = 128 1.46x -> 1.25x. Two stages lost to one (bf16 8:1 1.17x against 1.03x on the H100), and so did four with
     in-block options (the causal mask and the position bias at 4:1: 5.33 ms against 1.73), which keep one.
 
-    The same holds for the 16-bit forward under GQA at 128-token blocks up to D = 64 (one slice), without in-block
-    options: the group in a program, 4 warps, two stages (one with a rotary). H200, the sweep's lengths, 8 query
+    The same holds for the 16-bit forward under GQA at 128-token blocks with tiles 32 or 64 wide (D = 24 to 64, and
+    D = 16 with a rotary, whose pair halves pad it to 32), without in-block options: the group in a program, 4
+    warps, two stages (one with a rotary). H200, the sweep's lengths, 8 query
     heads, bf16, over the floor against a program per query head (2026-11-28; not measured on an H100): D = 32 8:1
     4.13x -> 3.29x (8 warps: 3.21x two stages, 3.23x one), 8:2 3.77x -> 3.12x; D = 64 8:1 2.58x -> 2.38x, 8:2
     2.37x -> 2.20x (8 warps 3.10-3.25x); with a rotary and fp32 angles D = 32 8:1 3.60x -> 3.33x, 8:2 3.35x ->
@@ -201,9 +202,9 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     chunk = block_d if wide_rotary_group else min(block_d, max(min_width, max_slice // block_size))
     wide = ((block_size * chunk > 64 * 128 and not wide_rotary_group)
             or (backward and group > 1 and block_size == 64 and chunk >= 128))
-    # The 16-bit forward under GQA at 128-token blocks up to D = 64 (whole rows), no in-block option: the group in a
-    # program
-    wide_block_group = (not backward and block_size == 128 and group > 1 and block_d <= 64 and element_size == 2
+    # The 16-bit forward under GQA at 128-token blocks with 32- or 64-wide tiles (whole rows), no in-block option:
+    # the group in a program
+    wide_block_group = (not backward and block_size == 128 and group > 1 and block_d in (32, 64) and element_size == 2
                         and not in_block_bits)
     heads_per_program = (group if not backward and (block_size == 64 or wide_rotary_group or wide_block_group)
                          and chunk >= block_d else 1)
@@ -227,7 +228,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                          else 4 if heads_per_program > 1 and not in_block_bits
                          and not (element_size == 2 and group <= 4 and block_d == 128 and not rotary) else 1),
         "HEADS_PER_PROGRAM": heads_per_program,
-        "NUM_WARPS": (8 if (block_size == 128 and not (wide_block_group or mha_rotary_heads)) or wide
+        "NUM_WARPS": (8 if (block_size == 128 and heads_per_program == 1) or wide
                       or rotary_gqa_fwd or (wide_rotary_group and block_size == 64) else 4),
     })
 
