@@ -126,9 +126,10 @@ def block_attention(
     Gluon kernel takes the backward of the production shape; ``python -m blockattn info`` lists the backends); fp16
     and bf16 multiply in their own precision with fp32 accumulation and an fp32 softmax; rotations are computed in
     fp32, the rotated operands rounded to the inputs' dtype, and gradients turned back in fp32 before their one
-    store. float32 inputs are computed in true fp32 (no TF32). Elsewhere (the CPU, older GPUs) a PyTorch
-    implementation of the same semantics runs in fp32, and float64 inputs are accepted on the CPU (for
-    ``torch.autograd.gradcheck``). Meta tensors give the output's metadata. Gradients flow to ``q``, ``k`` and
+    store (at 128-token blocks past D = 128 under GQA, stored first and turned back after, as an unfused rotary's
+    backward does: docs/semantics.md). float32 inputs are computed in true fp32 (no TF32). Elsewhere (the CPU,
+    older GPUs) a PyTorch implementation of the same semantics runs in fp32, and float64 inputs are accepted on the
+    CPU (for ``torch.autograd.gradcheck``). Meta tensors give the output's metadata. Gradients flow to ``q``, ``k`` and
     ``v``; the backward is deterministic. A NaN or inf in an input stays in its own block and head.
 
     Validation (docs/semantics.md): shapes, dtypes, devices and options raise ``TypeError``/``ValueError`` before any

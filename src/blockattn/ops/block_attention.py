@@ -13,7 +13,8 @@ memory layout and k, v, dk, dv in another): a persistent loop over blocks, and u
 query heads, that the compiler software-pipelines, so loads of the next step overlap the current one's math.
 
 A fused rotary (``ROTATE``, a mask of the operands to turn) switches the forward and the one-block backward to pair
-halves (``ops.rotary``): operands are rotated right after loading, gradients turned back before their one store.
+halves (``ops.rotary``): operands are rotated right after loading, gradients turned back before their one store; but
+for the backward of :func:`rotates_apart`, which runs the rotary kernel apart.
 
 The in-block options (``IN_BLOCK``, a mask of ``ops.in_block``'s bits: causal mask, position and time biases,
 dropout) change the score tile between the products and the softmax (``ops.in_block.block_probs`` and
