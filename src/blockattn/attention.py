@@ -92,8 +92,8 @@ def block_attention(
             ``0 : D/2`` hold ``sin``, ``D/2 : D`` hold ``cos`` of the angle of pair ``i = (2i, 2i+1)`` (interleaved
             pairs, see :func:`blockattn.apply_rotary`). When given, the operands named in ``rotate`` are rotated
             inside the kernels as they are loaded: the result equals ``block_attention(apply_rotary(q, sinu_pos),
-            ...)`` but the rotated tensors never reach memory, and the gradients are those of the unrotated
-            inputs. ``sinu_pos`` is a constant: it gets no gradient (it must not require one).
+            ...)`` but the rotated tensors never reach memory (but in one backward, below), and the gradients are
+            those of the unrotated inputs. ``sinu_pos`` is a constant: it gets no gradient (it must not require one).
         rotate: which of ``"q"``, ``"k"``, ``"v"`` to rotate, a tuple (or list, set) naming each at most once
             (all three by default, as in the workload this comes from; standard RoPE is ``("q", "k")``). Checked
             always; without ``sinu_pos`` nothing is rotated.
