@@ -92,8 +92,9 @@ def block_attention(
             ``0 : D/2`` hold ``sin``, ``D/2 : D`` hold ``cos`` of the angle of pair ``i = (2i, 2i+1)`` (interleaved
             pairs, see :func:`blockattn.apply_rotary`). When given, the operands named in ``rotate`` are rotated
             inside the kernels as they are loaded: the result equals ``block_attention(apply_rotary(q, sinu_pos),
-            ...)`` but the rotated tensors never reach memory (but in one backward, below), and the gradients are
-            those of the unrotated inputs. ``sinu_pos`` is a constant: it gets no gradient (it must not require one).
+            ...)`` but the rotated tensors never reach memory (except in one backward, below), and the gradients
+            are those of the unrotated inputs. ``sinu_pos`` is a constant: it gets no gradient (it must not require
+            one).
         rotate: which of ``"q"``, ``"k"``, ``"v"`` to rotate, a tuple (or list, set) naming each at most once
             (all three by default, as in the workload this comes from; standard RoPE is ``("q", "k")``). Checked
             always; without ``sinu_pos`` nothing is rotated.
@@ -129,8 +130,8 @@ def block_attention(
     store (at 128-token blocks past D = 128 under GQA, stored first and turned back after, as an unfused rotary's
     backward does: docs/semantics.md). float32 inputs are computed in true fp32 (no TF32). Elsewhere (the CPU,
     older GPUs) a PyTorch implementation of the same semantics runs in fp32, and float64 inputs are accepted on the
-    CPU (for ``torch.autograd.gradcheck``). Meta tensors give the output's metadata. Gradients flow to ``q``, ``k`` and
-    ``v``; the backward is deterministic. A NaN or inf in an input stays in its own block and head.
+    CPU (for ``torch.autograd.gradcheck``). Meta tensors give the output's metadata. Gradients flow to ``q``, ``k``
+    and ``v``; the backward is deterministic. A NaN or inf in an input stays in its own block and head.
 
     Validation (docs/semantics.md): shapes, dtypes, devices and options raise ``TypeError``/``ValueError`` before any
     kernel runs; ``scale`` must be finite and positive.
