@@ -72,6 +72,10 @@ def test_rotary_kernel_strided_input_fp32_angles_and_empty():
     sinu_pos = random_angles(100, 32, device=KERNEL_DEVICE)[::2]  # strided angles
     torch.testing.assert_close(rotary_impl.rotary_triton(x, sinu_pos, False).double(),
                                rotary_reference(x, sinu_pos), atol=2e-3, rtol=0)
+    # Into given outputs: one whose pairs can be written as words, one whose pairs cannot (an odd start: a copy)
+    for out in (torch.empty_like(x), torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)):
+        assert rotary_impl.rotary_triton(x, sinu_pos, True, out=out) is out
+        torch.testing.assert_close(out.double(), rotary_reference(x, sinu_pos, inverse=True), atol=2e-3, rtol=0)
     empty = torch.empty(0, 2, 32, dtype=torch.float16, device=KERNEL_DEVICE)
     assert rotary_impl.rotary_triton(empty, sinu_pos[:0], False).shape == empty.shape
 
@@ -151,16 +155,21 @@ def test_fused_kernels_packed_qkv_layout(hq, hkv, rotate, poisoned_outputs):
     """q, k, v read from one packed [N, (Hq + 2 Hkv) D] projection through strides, the gradients written into views
     of one packed buffer; grad_out has its own layout (without rotary and GQA: the persistent backward's separate
     dO tile)."""
-    lengths, d, bs = odd_lengths(64) + [130], 128, 64
+    _check_packed_qkv(odd_lengths(64) + [130], hq, hkv, 128, 64, rotate, torch.float16)
+
+
+def _check_packed_qkv(lengths, hq, hkv, d, block_size, rotate, angles_dtype):
+    """The kernels on q, k, v read out of one packed fp16 projection, their gradients written into views of one
+    packed buffer: written there, and within the accuracy contract."""
     _, _, _, do, offsets = random_inputs(lengths, hq, hkv, d, torch.float16, KERNEL_DEVICE)
     n = do.shape[0]
     qkv = torch.randn(n, (hq + 2 * hkv) * d, dtype=torch.float16, device=KERNEL_DEVICE)
     q, k, v = split_heads(qkv, hq, hkv)
-    sinu_pos = random_angles(n, d, torch.float16, KERNEL_DEVICE)
+    sinu_pos = random_angles(n, d, angles_dtype, KERNEL_DEVICE)
     dqkv = tiles.new_output(qkv)
-    out, *grads = run_kernels(q, k, v, do, offsets, bs, sinu_pos, rotate, grads=split_heads(dqkv, hq, hkv))
+    out, *grads = run_kernels(q, k, v, do, offsets, block_size, sinu_pos, rotate, grads=split_heads(dqkv, hq, hkv))
     assert all(g.data_ptr() == p.data_ptr() for g, p in zip(grads, split_heads(dqkv, hq, hkv)))
-    assert_within_2x_pytorch((out, *split_heads(dqkv, hq, hkv)), q, k, v, do, offsets, bs, sinu_pos=sinu_pos,
+    assert_within_2x_pytorch((out, *split_heads(dqkv, hq, hkv)), q, k, v, do, offsets, block_size, sinu_pos=sinu_pos,
                              rotate=rotate)
 
 
@@ -177,20 +186,10 @@ def test_backward_rotated_apart_at_128_token_blocks_past_d128(rotate, poisoned_o
     rotated = []
     turn = rotary_impl.rotary_triton
     monkeypatch.setattr(triton_ops, "rotary_triton", lambda *a, **kw: rotated.append(a[2]) or turn(*a, **kw))
-    hq, hkv, d, bs = 4, 2, 136, 128
-    lengths = odd_lengths(bs) if HAS_GPU else [0, 1, bs + 1]  # the interpreter: a full block and two partial ones
-    _, _, _, do, offsets = random_inputs(lengths, hq, hkv, d, torch.float16, KERNEL_DEVICE)
-    n = do.shape[0]
-    qkv = torch.randn(n, (hq + 2 * hkv) * d, dtype=torch.float16, device=KERNEL_DEVICE)
-    q, k, v = split_heads(qkv, hq, hkv)
-    sinu_pos = random_angles(n, d, torch.float32, KERNEL_DEVICE)
-    dqkv = tiles.new_output(qkv)
-    out, *grads = run_kernels(q, k, v, do, offsets, bs, sinu_pos, rotate, grads=split_heads(dqkv, hq, hkv))
-    assert all(g.data_ptr() == p.data_ptr() for g, p in zip(grads, split_heads(dqkv, hq, hkv)))
+    lengths = odd_lengths(128) if HAS_GPU else [0, 1, 129]  # the interpreter: a full block and two partial ones
+    _check_packed_qkv(lengths, 4, 2, 136, 128, rotate, torch.float32)
     # the forward rotates fused; the backward's rotary kernel turns each rotated operand, then its gradient back
     assert rotated == [False] * rotate.bit_count() + [True] * rotate.bit_count()
-    assert_within_2x_pytorch((out, *split_heads(dqkv, hq, hkv)), q, k, v, do, offsets, bs, sinu_pos=sinu_pos,
-                             rotate=rotate)
 
 
 # --- public functions (the CPU path here; the kernels through them in test_gpu.py) ----------------------------------

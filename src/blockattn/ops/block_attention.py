@@ -974,10 +974,7 @@ def _bwd_rotated_apart(grad_out, q, k, v, offsets, table, block_size, scale, sin
                 **overrides)
     for grad, target, bit in zip(grads, targets, turned):
         if rotate & bit:
-            if pairs_readable(grad):
-                rotary_triton(target, sinu_pos, True, out=grad)
-            else:
-                grad.copy_(rotary_triton(target, sinu_pos, True))
+            rotary_triton(target, sinu_pos, True, out=grad)
 
 
 def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials, grads, *,

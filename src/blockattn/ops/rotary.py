@@ -225,7 +225,9 @@ def pair_aligned(x: torch.Tensor) -> torch.Tensor:
 def rotary_triton(x: torch.Tensor, sinu_pos: torch.Tensor, inverse: bool,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``[N, H, D]`` rotated by ``sinu_pos`` (or by the opposite angles), in ``x``'s dtype; written into ``out``
-    (``x``'s shape and dtype, pairs readable) when given."""
+    (``x``'s shape and dtype) when given, through a copy where its pairs cannot be written as words."""
+    if out is not None and not pairs_readable(out):
+        return out.copy_(rotary_triton(x, sinu_pos, inverse))
     n, h, d = x.shape
     x = pair_aligned(x)
     y = tiles.new_output(x) if out is None else out
