@@ -1,5 +1,7 @@
 """The launch cache (``ops/launch.py``): a cached launch must run the kernel Triton would have picked."""
 
+import ctypes
+
 import pytest
 import torch
 import triton
@@ -137,3 +139,85 @@ def test_descriptor_keys_tell_apart_their_settings_and_alignment(key):
     assert key(descriptor(x)) != key(descriptor(x.view(-1)[8:8 + 255 * 64].view(255, 64)))  # 16-byte alignment
     with pytest.raises(launch._Uncached):
         launch._key_function((descriptor(x),), (False,))((x,))
+
+
+# --- direct launches (a call plan's replays) ---------------------------------------------------------------------
+
+
+class _Compiled:
+    """Stands in for a compiled kernel: what ``DirectLaunch.of`` reads of one."""
+
+    def __init__(self, signature: dict, **metadata):
+        self.src = type("Source", (), {"signature": signature})()
+        self.metadata = type("Metadata", (), {"num_warps": 4, "shared": 1024, "num_ctas": 1, **metadata})()
+        self.function = 0
+
+
+_SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "big": "i64", "factor": "fp32", "flag": "i1",
+              "BLOCK": "constexpr", "z_ptr": "*fp32"}
+
+
+def _direct(monkeypatch, sizes, signature=_SIGNATURE, values=None, **metadata):
+    monkeypatch.setattr(launch, "_param_sizes", lambda function: sizes)
+    slot = type("Slot", (int,), {})
+    values = values or (slot(2), slot(0), 500, 2**40, 0.5, True, 128, slot(2))
+    return launch.DirectLaunch.of(_Compiled(signature, **metadata), (0, 1, 1), values,
+                                  lambda v: type(v) is slot, device=0)
+
+
+def test_a_direct_launch_writes_each_tensor_address_where_its_parameters_are(monkeypatch):
+    """The buffer holds the recorded scalars in their kernel types, skips constexprs, and at each launch gets the
+    addresses of the tensors of the given slots, one tensor read once for all its parameters."""
+    direct = _direct(monkeypatch, [8, 8, 4, 8, 4, 1, 8, 8, 8])  # two scratch pointers after the arguments
+    assert direct is not None and len(direct.params) == 9
+    scalars = [v for v in direct.values if v is not None]
+    assert [type(v) for v in scalars] == [ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_int8,
+                                          ctypes.c_uint64, ctypes.c_uint64]
+    assert [v.value for v in scalars[:4]] == [500, 2**40, 0.5, 1] and direct.slots == [0, 2]
+    a, b = torch.zeros(4), torch.zeros(4)
+    monkeypatch.setattr(launch, "_launch_hooks", lambda: False)
+    direct([b, None, a], fallback=None)  # an empty grid: the buffer is written, nothing launched
+    pointer_at = lambda i: ctypes.c_uint64.from_address(direct.params[i]).value
+    assert [pointer_at(i) for i in (0, 1, 6)] == [a.data_ptr(), b.data_ptr(), a.data_ptr()]
+    assert ctypes.c_int64.from_address(direct.params[3]).value == 2**40
+
+
+@pytest.mark.parametrize(("sizes", "metadata", "why"), [
+    ([8, 8, 4, 8, 4, 1, 8], {"global_scratch_size": 64}, "scratch memory"),
+    ([8, 8, 4, 8, 4, 1, 8], {"num_ctas": 2}, "a cluster"),
+    ([8, 8, 4, 8, 4, 1, 8], {"tensordesc_meta": [{}]}, "tensor descriptors"),
+    ([8, 8, 4, 4, 4, 1, 8], {}, "a parameter of another size than its type's"),
+    ([8, 8, 4, 8, 4, 1], {}, "fewer parameters than arguments"),
+    ([8, 8, 4, 8, 4, 1, 8, 8, 8, 8], {}, "more than two parameters after them"),
+    (None, {}, "a driver without cuFuncGetParamInfo"),
+])
+def test_what_a_direct_launch_cannot_take_keeps_tritons_runner(monkeypatch, sizes, metadata, why):
+    assert _direct(monkeypatch, sizes, **metadata) is None, why
+
+
+def test_a_direct_launch_takes_only_tensors_for_pointers(monkeypatch):
+    sizes = [8, 8, 4, 8, 4, 1, 8]
+    assert _direct(monkeypatch, sizes, values=(1234, 0, 500, 2**40, 0.5, True, 128, 0)) is None  # an address
+    assert _direct(monkeypatch, sizes, signature={**_SIGNATURE, "n": "bf16"}) is None  # a type it does not pack
+
+
+@requires_gpu
+def test_gpu_a_direct_launch_runs_the_kernel_on_new_tensors():
+    """The direct launch of a compiled kernel, built from one launch's arguments, computes on other tensors what
+    Triton's launch computes; an empty grid launches nothing."""
+    x = torch.randn(1000, device="cuda")
+    y = torch.zeros_like(x)
+    compiled = _scaled_copy[(8,)](x, y, 1000, 1, 2.0, BLOCK=128)
+    slot = type("Slot", (int,), {})
+    direct = launch.DirectLaunch.of(compiled, (8, 1, 1), (slot(0), slot(1), 1000, 1, 2.0, 128),
+                                    lambda v: type(v) is slot, device=torch.cuda.current_device())
+    assert direct is not None
+    a = torch.randn(1000, device="cuda")
+    b = torch.full_like(a, float("nan"))
+    direct([a, b], fallback=None)
+    torch.testing.assert_close(b, a * 2, rtol=0, atol=0)
+    empty = launch.DirectLaunch.of(compiled, (0, 1, 1), (slot(0), slot(1), 1000, 1, 2.0, 128),
+                                   lambda v: type(v) is slot, device=torch.cuda.current_device())
+    c = torch.full_like(a, float("nan"))
+    empty([a, c], fallback=None)
+    assert c.isnan().all()

@@ -192,14 +192,17 @@ def _block_fwd_bwd(layout_or_offsets, **options):
 
 
 @requires_gpu
-@pytest.mark.parametrize("hq, hkv, d", [(4, 4, 128), (8, 2, 64), (4, 1, 32)])
+@pytest.mark.parametrize("hq, hkv, d, block_size", [(4, 4, 128, 64), (8, 2, 64, 64), (4, 1, 32, 64),
+                                                   (4, 2, 256, 128)])  # the last: Triton's backward on Hopper
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("layout", [False, True])
-def test_gpu_block_attention_replays(hq, hkv, d, rotary, layout):
+def test_gpu_block_attention_replays(hq, hkv, d, block_size, rotary, layout):
     n, offsets, randn = _packed(3, 150, hq, hkv, d)
-    structure = blockattn.block_layout(offsets, n) if layout else offsets
+    structure = blockattn.block_layout(offsets, n, block_size) if layout else offsets
     angles = random_angles(n, d, "cuda") if rotary else None
-    _replays_match(_block_fwd_bwd(structure), lambda: (randn(hq), randn(hkv), randn(hkv), randn(hq), angles),
+    options = {} if layout else {"block_size": block_size}
+    _replays_match(_block_fwd_bwd(structure, **options),
+                   lambda: (randn(hq), randn(hkv), randn(hkv), randn(hq), angles),
                    [custom_ops._block_attention_forward, custom_ops._block_attention_backward])
 
 
@@ -276,6 +279,35 @@ def test_gpu_flash_attention_replays(dtype, causal, varlen, variant):
                                                     return_lse=True, **scales)
         return blockattn.flash_attention(q, k, v, causal=causal, return_lse=True, **scales)
     _replays_match(call, inputs, [custom_ops._flash_attention_fwd])
+
+
+@requires_gpu
+def test_gpu_replayed_triton_launches_go_direct_but_to_a_launch_hook():
+    """A replayed forward launches its two Triton kernels (the block table's, the attention's) by ``cuLaunchKernel``
+    (``launch.DirectLaunch``) with the recorded kernel, grid and arguments on the new tensors; while a Triton launch
+    hook (a profiler's) is installed, through Triton, which calls it. Both bitwise as a fresh run."""
+    from triton import knobs
+
+    _, offsets, randn = _packed(3, 150, 8, 2, 64)
+    q, k, v = randn(8), randn(2), randn(2)
+    for _ in range(3):
+        blockattn.block_attention(q, k, v, offsets)
+    plan = next(p for p in custom_ops._block_attention_forward.plans.values() if isinstance(p, plans.Plan))
+    assert sum(hasattr(step, "direct") for step in plan.steps) == 2
+    q, k, v = randn(8), randn(2), randn(2)
+    replayed = blockattn.block_attention(q, k, v, offsets)
+    launched = []
+    hooks = knobs.runtime.launch_enter_hook
+    hooks.add(launched.append)  # a HookChain in the triton versions that have direct launches
+    try:
+        hooked = blockattn.block_attention(q, k, v, offsets)
+    finally:
+        hooks.remove(launched.append)
+    assert len(launched) == 2
+    plans.forget()
+    fresh = blockattn.block_attention(q, k, v, offsets)
+    assert torch.equal(replayed.view(torch.uint8), fresh.view(torch.uint8))
+    assert torch.equal(hooked.view(torch.uint8), fresh.view(torch.uint8))
 
 
 class _Subclass(torch.Tensor):

@@ -14,6 +14,10 @@ raise, and that launch goes through Triton.
 
 Off the GPU (Triton's interpreter) and for argument types it does not know, it is ``kernel[grid](**kwargs)``.
 
+A call plan's replay (``plans``) goes one step further for the kernels it can (:class:`DirectLaunch`): one
+``cuLaunchKernel`` on a parameter buffer built when the plan was recorded, whose tensor addresses alone are
+rewritten at each replay, instead of Triton's runner.
+
 Every kernel of the library is launched here: a call being recorded as a plan (``plans``) learns of its launches
 from this function alone.
 """
@@ -22,11 +26,15 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import operator
+import struct
 import threading
+from collections.abc import Callable
 
 import torch
 import triton.language as tl
+from triton import knobs
 from triton.runtime.jit import JITFunction
 
 try:
@@ -147,18 +155,145 @@ def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
         not_replayable("launches a kernel with arguments the launch key does not take")
         _through_triton(kernel, grid, kwargs, device)  # Triton binds the arguments, or says what is wrong with them
         return
+    grid = (*grid, 1, 1)[:3]
     if compiled is None:
         compiled = _through_triton(kernel, grid, kwargs, device)
         with _LOCK:
             entry.compiled[key] = compiled
-        runner = compiled[(*grid, 1, 1)[:3]]
+        runner = compiled[grid]
     else:
         if entry.descriptors:
             ensure_context(device)
-        runner = compiled[(*grid, 1, 1)[:3]]
+        runner = compiled[grid]
         runner(*values)
     if (recorder := getattr(RECORDING, "recorder", None)) is not None:
-        recorder.launched(runner, values, device if entry.descriptors else None)
+        recorder.launched(runner, values, device if entry.descriptors else None,
+                          direct=functools.partial(DirectLaunch.of, compiled, grid, device=device))
+
+
+# Kernel parameters by Triton's signature type: their ctypes (pointers are ``*``-types, 8 bytes).
+_PARAM_CTYPES = {
+    "i1": ctypes.c_int8, "i8": ctypes.c_int8, "u1": ctypes.c_uint8, "u8": ctypes.c_uint8, "i16": ctypes.c_int16,
+    "u16": ctypes.c_uint16, "i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64,
+    "u64": ctypes.c_uint64, "fp32": ctypes.c_float, "f32": ctypes.c_float, "fp64": ctypes.c_double,
+}
+
+
+class DirectLaunch:
+    """A compiled kernel launched by one ``cuLaunchKernel`` on a parameter buffer built when a plan was recorded
+    (``plans``): only the tensors' addresses are written at each replay.
+
+    Triton's runner converts and checks every argument at each launch (a driver query per pointer), looks up the
+    device and stream and asks for its launch hooks: 7 µs of host time for a kernel of one argument, 13.5 for our
+    forward's 57 on an H100's host (docs/benchmarks.md, 2026-11-25). A plan's launch repeats the same kernel, grid
+    and non-tensor arguments on new tensors of the same shapes, so all but the addresses are fixed once.
+
+    :meth:`of` builds one only where it launches exactly what Triton's runner would: one CTA per cluster, no
+    cooperative or programmatic-dependent launch, no scratch memory, no tensor descriptor, every parameter of a type
+    it knows, and the compiled function's parameters (asked of the driver) matching their count and sizes: Triton's
+    non-constexpr arguments, then its scratch pointers (passed null: the kernel has no scratch). Anything else keeps
+    Triton's runner, and so does a replay while a Triton launch hook (a profiler's) is installed.
+    """
+
+    def __init__(self, function: int, grid: tuple[int, int, int], threads: int, shared: int, device: int,
+                 params: list, tensor_slots: list[int]):
+        """``params``: every parameter's value in order, a ctypes scalar, or None for the tensor whose slot is next
+        in ``tensor_slots``."""
+        self.launch_args = (ctypes.c_void_p(function), *map(ctypes.c_uint, (*grid, threads, 1, 1, shared)))
+        self.device = device
+        # The pointers live in one array, written by one call at each launch: each tensor's address read once (the
+        # kernels' stand-ins for absent options are often one tensor), then spread to its parameters. The array's
+        # last entry is a spare (so that ``spread`` returns a tuple even for one pointer).
+        self.pointers = (ctypes.c_uint64 * (len(tensor_slots) + 1))()
+        self.slots = sorted(set(tensor_slots))
+        self.spread = operator.itemgetter(*[self.slots.index(slot) for slot in tensor_slots], 0)
+        self.pack = struct.Struct(f"{len(tensor_slots) + 1}Q").pack_into
+        pointer = iter(range(len(tensor_slots)))
+        self.values = params  # keeps the scalars alive
+        self.params = (ctypes.c_void_p * len(params))(*[
+            ctypes.addressof(self.pointers) + 8 * next(pointer) if value is None else ctypes.addressof(value)
+            for value in params])
+        self.empty = grid[0] * grid[1] * grid[2] == 0
+
+    @classmethod
+    def of(cls, compiled, grid: tuple[int, int, int], values: tuple, is_slot: Callable[[object], bool],
+           device: int) -> DirectLaunch | None:
+        """The direct launch of ``compiled[grid](*values)`` where tensors are given as slots (``is_slot``: their
+        positions in a replay's list) and every other value is the recorded one; None where it cannot be one."""
+        metadata = compiled.metadata
+        signature = getattr(compiled.src, "signature", None)
+        if (getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_cooperative_grid", False)
+                or getattr(metadata, "launch_pdl", False) or getattr(metadata, "global_scratch_size", 0)
+                or getattr(metadata, "profile_scratch_size", 0) or getattr(metadata, "tensordesc_meta", None)
+                or not isinstance(signature, dict) or len(signature) != len(values)):
+            return None
+        params, sizes, tensor_slots = [], [], []
+        for value, kind in zip(values, signature.values()):
+            if kind == "constexpr":
+                continue
+            if not isinstance(kind, str):
+                return None
+            if kind.startswith("*") and is_slot(value):
+                params.append(None)
+                sizes.append(8)
+                tensor_slots.append(value)
+            elif kind in _PARAM_CTYPES and isinstance(value, (int, float)) and not is_slot(value):
+                params.append(_PARAM_CTYPES[kind](value))
+                sizes.append(ctypes.sizeof(params[-1]))
+            else:
+                return None
+        found = _param_sizes(compiled.function)
+        if found is None or found[:len(sizes)] != sizes:
+            return None
+        scratch = found[len(sizes):]  # Triton's scratch pointers, null: the kernel has no scratch memory
+        if len(scratch) > 2 or any(size != 8 for size in scratch):
+            return None
+        params += [ctypes.c_uint64(0) for _ in scratch]
+        return cls(compiled.function, grid, 32 * metadata.num_warps, metadata.shared, device, params, tensor_slots)
+
+    def __call__(self, slots: list, fallback: Callable[[], None]) -> None:
+        """Launch on the tensors of ``slots``; ``fallback()`` launches through Triton instead (a hook installed)."""
+        if _launch_hooks():
+            fallback()
+            return
+        if self.slots:
+            self.pack(self.pointers, 0, *self.spread([slots[slot].data_ptr() for slot in self.slots]))
+        if self.empty:
+            return
+        ensure_context(self.device)
+        _checked(_cu_launch_kernel()(*self.launch_args, torch._C._cuda_getCurrentRawStream(self.device), self.params,
+                                     None), "cuLaunchKernel")
+
+
+def _launch_hooks() -> bool:
+    """Whether a Triton launch hook is installed (None or an empty chain, by the triton version, where not)."""
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(enter is not None and getattr(enter, "calls", True)) or bool(exit_ is not None
+                                                                            and getattr(exit_, "calls", True))
+
+
+@functools.cache
+def _cu_launch_kernel():
+    launch_kernel = _libcuda().cuLaunchKernel
+    launch_kernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_void_p]
+    launch_kernel.restype = ctypes.c_int
+    return launch_kernel
+
+
+@functools.cache
+def _param_sizes(function: int) -> list[int] | None:
+    """The sizes of a compiled function's parameters, by ``cuFuncGetParamInfo``; None with a driver before CUDA
+    12.4, which has no such call (no direct launch then)."""
+    get_info = getattr(_libcuda(), "cuFuncGetParamInfo", None)
+    if get_info is None:
+        return None
+    sizes = []
+    offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+    while get_info(ctypes.c_void_p(function), ctypes.c_size_t(len(sizes)), ctypes.byref(offset),
+                   ctypes.byref(size)) == 0:
+        sizes.append(size.value)
+    return sizes
 
 
 def not_replayable(why: str) -> None:
