@@ -2,9 +2,10 @@
 they are made of (a torch op, an allocation, the block table, an empty autograd round trip), and optionally a
 cProfile of two of them, the layers of a call with a layout each timed alone (``--layers``: the public function,
 the custom op's route, the planned implementation, its plan's replay and each replayed step, the plan's
-signature; empty Triton launches of 1 and 57 arguments), and the block table's time on the presets' batches.
+signature; empty Triton launches of 1 and 57 arguments), the calls with their replays' direct launches against
+Triton's runner in one process (``--launches``), and the block table's time on the presets' batches.
 
-    python benchmarks/profile_host.py [--batch 1 500] [--profile] [--layers] [--tables]
+    python benchmarks/profile_host.py [--batch 1 500] [--profile] [--layers] [--launches] [--tables]
 
 Every call repeats one argument signature: from the third on, the attention calls replay their call plan
 (``blockattn/ops/plans.py``), as a model's layers do on one batch. To compare two versions of the code on one
@@ -29,7 +30,7 @@ import blockattn
 from blockattn import custom_ops
 from blockattn.bench.presets import PRESETS
 from blockattn.block_table import build_block_table
-from blockattn.ops import plans
+from blockattn.ops import launch, plans
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 4, 128, 64
 
@@ -146,12 +147,34 @@ def layers(num_seqs: int, length: int) -> dict:
     }
 
 
+def launches_ab(fns: dict, rounds: int = 6) -> None:
+    """The public calls, their plans' Triton kernels launched directly (``launch.DirectLaunch``) and through
+    Triton's runner, alternated round by round (one process: a shared host's slow spells fall on both)."""
+    direct = launch._launch_hooks
+    names = ("fwd, layout", "fwd, offsets", "fwd+bwd, layout", "torch.add")
+    medians: dict = {}
+    try:
+        for _ in range(rounds):
+            for mode, hooks in (("Triton's runner", lambda: True), ("direct", direct)):
+                launch._launch_hooks = hooks
+                for name in names:
+                    medians.setdefault((name, mode), []).append(per_call_us(fns[name], calls=200, repeats=5)[0])
+    finally:
+        launch._launch_hooks = direct
+    for (name, mode), values in medians.items():
+        print(f"{name + ', ' + mode:48s} median {statistics.median(values):8.1f} µs over rounds "
+              f"({' '.join(f'{v:.1f}' for v in values)})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs=2, default=(1, 500), metavar=("SEQUENCES", "LENGTH"))
     parser.add_argument("--profile", action="store_true", help="cProfile the eager forward and fwd+bwd")
     parser.add_argument("--layers", action="store_true",
                         help="time the layers of a forward and a backward with a layout, and their plans' steps")
+    parser.add_argument("--launches", action="store_true",
+                        help="the public calls with the replays' direct launches and with Triton's runner (as while "
+                             "a launch hook is installed), alternated in this process: median of 6 rounds")
     parser.add_argument("--tables", action="store_true",
                         help="the block table's time on the ads, short and long presets' batches (triton's do_bench: "
                              "CUDA events around back-to-back calls, median)")
@@ -177,6 +200,8 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
             print(name, text.getvalue())
+    if args.launches:
+        launches_ab(fns)
     if args.tables:
         for name in ("ads", "short", "long"):
             offsets = PRESETS[name].offsets(0, "cuda")

@@ -161,12 +161,12 @@ def _direct(monkeypatch, sizes, signature=_SIGNATURE, values=None, **metadata):
     monkeypatch.setattr(launch, "_param_sizes", lambda function: sizes)
     slot = type("Slot", (int,), {})
     values = values or (slot(2), slot(0), 500, 2**40, 0.5, True, 128, slot(2))
-    return launch.DirectLaunch.of(_Compiled(signature, **metadata), (0, 1, 1), values,
+    return launch.DirectLaunch.of(_Compiled(signature, **metadata), (3, 1, 1), values,
                                   lambda v: type(v) is slot, device=0)
 
 
-def test_a_direct_launch_writes_each_tensor_address_where_its_parameters_are(monkeypatch):
-    """The buffer holds the recorded scalars in their kernel types, skips constexprs, and at each launch gets the
+def test_a_direct_launch_passes_each_tensor_address_where_its_parameters_are(monkeypatch):
+    """The buffer holds the recorded scalars in their kernel types, skips constexprs, and at each launch the
     addresses of the tensors of the given slots, one tensor read once for all its parameters."""
     direct = _direct(monkeypatch, [8, 8, 4, 8, 4, 1, 8, 8, 8])  # two scratch pointers after the arguments
     assert direct is not None and len(direct.params) == 9
@@ -174,18 +174,31 @@ def test_a_direct_launch_writes_each_tensor_address_where_its_parameters_are(mon
     assert [type(v) for v in scalars] == [ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_int8,
                                           ctypes.c_uint64, ctypes.c_uint64]
     assert [v.value for v in scalars[:4]] == [500, 2**40, 0.5, 1] and direct.slots == [0, 2]
-    a, b = torch.zeros(4), torch.zeros(4)
+    launched = []
+
+    def cu_launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        read = lambda kind, i: kind.from_address(params[i]).value
+        launched.append(([read(ctypes.c_uint64, i) for i in (0, 1, 6, 7, 8)], read(ctypes.c_int64, 3),
+                         (gx.value, bx.value, shared.value), stream))
+        return 0
+
+    monkeypatch.setattr(launch, "_cu_launch_kernel", lambda: cu_launch_kernel)
     monkeypatch.setattr(launch, "_launch_hooks", lambda: False)
-    direct([b, None, a], fallback=None)  # an empty grid: the buffer is written, nothing launched
-    pointer_at = lambda i: ctypes.c_uint64.from_address(direct.params[i]).value
-    assert [pointer_at(i) for i in (0, 1, 6)] == [a.data_ptr(), b.data_ptr(), a.data_ptr()]
-    assert ctypes.c_int64.from_address(direct.params[3]).value == 2**40
+    monkeypatch.setattr(launch, "ensure_context", lambda device: None)
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: 77)
+    a, b = torch.zeros(4), torch.zeros(4)
+    direct([b, None, a], fallback=None)
+    direct([a, None, b], fallback=None)
+    assert launched == [([a.data_ptr(), b.data_ptr(), a.data_ptr(), 0, 0], 2**40, (3, 128, 1024), 77),
+                        ([b.data_ptr(), a.data_ptr(), b.data_ptr(), 0, 0], 2**40, (3, 128, 1024), 77)]
+    monkeypatch.setattr(launch, "_launch_hooks", lambda: True)  # a hook installed: through Triton
+    direct([a, None, b], fallback=lambda: launched.append("through triton"))
+    assert launched[-1] == "through triton"
 
 
 @pytest.mark.parametrize(("sizes", "metadata", "why"), [
     ([8, 8, 4, 8, 4, 1, 8], {"global_scratch_size": 64}, "scratch memory"),
     ([8, 8, 4, 8, 4, 1, 8], {"num_ctas": 2}, "a cluster"),
-    ([8, 8, 4, 8, 4, 1, 8], {"tensordesc_meta": [{}]}, "tensor descriptors"),
     ([8, 8, 4, 4, 4, 1, 8], {}, "a parameter of another size than its type's"),
     ([8, 8, 4, 8, 4, 1], {}, "fewer parameters than arguments"),
     ([8, 8, 4, 8, 4, 1, 8, 8, 8, 8], {}, "more than two parameters after them"),
@@ -199,6 +212,8 @@ def test_a_direct_launch_takes_only_tensors_for_pointers(monkeypatch):
     sizes = [8, 8, 4, 8, 4, 1, 8]
     assert _direct(monkeypatch, sizes, values=(1234, 0, 500, 2**40, 0.5, True, 128, 0)) is None  # an address
     assert _direct(monkeypatch, sizes, signature={**_SIGNATURE, "n": "bf16"}) is None  # a type it does not pack
+    # a tensor descriptor the recorder did not name (a tensor of unknown origin, say)
+    assert _direct(monkeypatch, sizes, signature={**_SIGNATURE, "x_ptr": "tensordesc<fp32[64, 64]>"}) is None
 
 
 @requires_gpu

@@ -282,32 +282,70 @@ def test_gpu_flash_attention_replays(dtype, causal, varlen, variant):
 
 
 @requires_gpu
-def test_gpu_replayed_triton_launches_go_direct_but_to_a_launch_hook():
+def test_gpu_replayed_launches_go_direct_but_to_a_launch_hook():
     """A replayed forward launches its two Triton kernels (the block table's, the attention's) by ``cuLaunchKernel``
-    (``launch.DirectLaunch``) with the recorded kernel, grid and arguments on the new tensors; while a Triton launch
-    hook (a profiler's) is installed, through Triton, which calls it. Both bitwise as a fresh run."""
+    (``launch.DirectLaunch``) with the recorded kernel, grid and arguments on the new tensors; on Hopper the
+    backward's Gluon kernel too, its host tensor descriptors' maps encoded on the new tensors. While a Triton
+    launch hook (a profiler's) is installed, through Triton, which calls it. All bitwise as a fresh run."""
     from triton import knobs
 
-    _, offsets, randn = _packed(3, 150, 8, 2, 64)
-    q, k, v = randn(8), randn(2), randn(2)
+    _, offsets, randn = _packed(3, 150, 4, 4, 128)
+
+    def call(q, k, v, do):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = blockattn.block_attention(*leaves, offsets)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
     for _ in range(3):
-        blockattn.block_attention(q, k, v, offsets)
-    plan = next(p for p in custom_ops._block_attention_forward.plans.values() if isinstance(p, plans.Plan))
-    assert sum(hasattr(step, "direct") for step in plan.steps) == 2
-    q, k, v = randn(8), randn(2), randn(2)
-    replayed = blockattn.block_attention(q, k, v, offsets)
+        call(randn(4), randn(4), randn(4), randn(4))
+    forward, backward = (next(p for p in fn.plans.values() if isinstance(p, plans.Plan))
+                         for fn in (custom_ops._block_attention_forward, custom_ops._block_attention_backward))
+    assert sum(hasattr(step, "direct") for step in forward.steps) == 2
+    directs = [step.direct for step in backward.steps if hasattr(step, "direct")]
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert any(direct.maps for direct in directs)
+    inputs = (randn(4), randn(4), randn(4), randn(4))
+    replayed = call(*inputs)
     launched = []
     hooks = knobs.runtime.launch_enter_hook
     hooks.add(launched.append)  # a HookChain in the triton versions that have direct launches
     try:
-        hooked = blockattn.block_attention(q, k, v, offsets)
+        hooked = call(*inputs)
     finally:
         hooks.remove(launched.append)
-    assert len(launched) == 2
+    assert len(launched) >= 2 + len(directs)
     plans.forget()
-    fresh = blockattn.block_attention(q, k, v, offsets)
-    assert torch.equal(replayed.view(torch.uint8), fresh.view(torch.uint8))
-    assert torch.equal(hooked.view(torch.uint8), fresh.view(torch.uint8))
+    fresh = call(*inputs)
+    for got_replayed, got_hooked, want in zip(replayed, hooked, fresh):
+        assert torch.equal(got_replayed.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(got_hooked.view(torch.uint8), want.view(torch.uint8))
+
+
+@requires_gpu
+def test_gpu_one_plan_replayed_on_several_threads_at_once():
+    """Threads replaying one plan share its launches' parameter buffers: each launch must still get its own
+    tensors (bitwise as the implementation run afresh on them)."""
+    _, offsets, randn = _packed(3, 150, 4, 4, 128)
+    layout = blockattn.block_layout(offsets, 450)
+    batches = [[(randn(4), randn(4), randn(4)) for _ in range(20)] for _ in range(4)]
+    for q, k, v in batches[0][:3]:
+        blockattn.block_attention(q, k, v, layout)
+    outputs = [[] for _ in batches]
+
+    def replay(i):
+        for q, k, v in batches[i]:
+            outputs[i].append(blockattn.block_attention(q, k, v, layout))
+
+    threads = [threading.Thread(target=replay, args=(i,)) for i in range(len(batches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for batch, got in zip(batches, outputs):
+        assert len(got) == len(batch)
+        for (q, k, v), out in zip(batch, got):
+            plans.forget()  # each reference call runs the implementation
+            assert torch.equal(out, blockattn.block_attention(q, k, v, layout))
 
 
 class _Subclass(torch.Tensor):

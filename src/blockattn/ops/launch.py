@@ -181,24 +181,29 @@ _PARAM_CTYPES = {
 
 class DirectLaunch:
     """A compiled kernel launched by one ``cuLaunchKernel`` on a parameter buffer built when a plan was recorded
-    (``plans``): only the tensors' addresses are written at each replay.
+    (``plans``): at each replay only the tensors' addresses are written, and the host tensor descriptors' maps
+    encoded on their tensors' new addresses.
 
-    Triton's runner converts and checks every argument at each launch (a driver query per pointer), looks up the
-    device and stream and asks for its launch hooks: 7 µs of host time for a kernel of one argument, 13.5 for our
-    forward's 57 on an H100's host (docs/benchmarks.md, 2026-11-25). A plan's launch repeats the same kernel, grid
-    and non-tensor arguments on new tensors of the same shapes, so all but the addresses are fixed once.
+    Triton's runner converts and checks every argument at each launch (a driver query per pointer, a Python
+    object per tensor descriptor), looks up the device and stream and asks for its launch hooks: 7 µs of host time
+    for a kernel of one argument, 13.5 for our forward's 57 on an H100's host (docs/benchmarks.md, 2026-11-25). A
+    plan's launch repeats the same kernel, grid and non-tensor arguments on new tensors of the same shapes, so all
+    but the addresses are fixed once.
 
     :meth:`of` builds one only where it launches exactly what Triton's runner would: one CTA per cluster, no
-    cooperative or programmatic-dependent launch, no scratch memory, no tensor descriptor, every parameter of a type
-    it knows, and the compiled function's parameters (asked of the driver) matching their count and sizes: Triton's
-    non-constexpr arguments, then its scratch pointers (passed null: the kernel has no scratch). Anything else keeps
-    Triton's runner, and so does a replay while a Triton launch hook (a profiler's) is installed.
+    cooperative or programmatic-dependent launch, no scratch memory, every parameter of a type it knows (a tensor
+    descriptor where its map's bytes are those Triton's encoder writes: ``_TensorMap``), and the compiled
+    function's parameters (asked of the driver) matching their count and sizes: Triton's non-constexpr arguments
+    (a descriptor as its map, shape and strides), then its scratch pointers (passed null: the kernel has no
+    scratch). Anything else keeps Triton's runner, and so does a replay while a Triton launch hook (a profiler's)
+    is installed.
     """
 
     def __init__(self, function: int, grid: tuple[int, int, int], threads: int, shared: int, device: int,
-                 params: list, tensor_slots: list[int]):
-        """``params``: every parameter's value in order, a ctypes scalar, or None for the tensor whose slot is next
-        in ``tensor_slots``."""
+                 params: list, tensor_slots: list[int], maps: list[_TensorMap]):
+        """``params``: every parameter's value in order, a ctypes scalar, a ``_TensorMap`` (one of ``maps``), or
+        None for the tensor whose slot is next in ``tensor_slots``."""
+        self.maps = maps
         self.launch_args = (ctypes.c_void_p(function), *map(ctypes.c_uint, (*grid, threads, 1, 1, shared)))
         self.device = device
         # The pointers live in one array, written by one call at each launch: each tensor's address read once (the
@@ -211,24 +216,28 @@ class DirectLaunch:
         pointer = iter(range(len(tensor_slots)))
         self.values = params  # keeps the scalars alive
         self.params = (ctypes.c_void_p * len(params))(*[
-            ctypes.addressof(self.pointers) + 8 * next(pointer) if value is None else ctypes.addressof(value)
+            ctypes.addressof(self.pointers) + 8 * next(pointer) if value is None
+            else value.address if isinstance(value, _TensorMap) else ctypes.addressof(value)
             for value in params])
         self.empty = grid[0] * grid[1] * grid[2] == 0
+        self.lock = threading.Lock()
 
     @classmethod
     def of(cls, compiled, grid: tuple[int, int, int], values: tuple, is_slot: Callable[[object], bool],
-           device: int) -> DirectLaunch | None:
+           device: int, descriptors: dict | None = None) -> DirectLaunch | None:
         """The direct launch of ``compiled[grid](*values)`` where tensors are given as slots (``is_slot``: their
-        positions in a replay's list) and every other value is the recorded one; None where it cannot be one."""
+        positions in a replay's list) and every other value is the recorded one; ``descriptors``: the host tensor
+        descriptors, ``{position: (slot of its tensor, the descriptor)}``. None where it cannot be one."""
         metadata = compiled.metadata
         signature = getattr(compiled.src, "signature", None)
+        maps_meta = iter(getattr(metadata, "tensordesc_meta", None) or ())
         if (getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_cooperative_grid", False)
                 or getattr(metadata, "launch_pdl", False) or getattr(metadata, "global_scratch_size", 0)
-                or getattr(metadata, "profile_scratch_size", 0) or getattr(metadata, "tensordesc_meta", None)
+                or getattr(metadata, "profile_scratch_size", 0)
                 or not isinstance(signature, dict) or len(signature) != len(values)):
             return None
-        params, sizes, tensor_slots = [], [], []
-        for value, kind in zip(values, signature.values()):
+        params, sizes, tensor_slots, maps = [], [], [], []
+        for position, (value, kind) in enumerate(zip(values, signature.values())):
             if kind == "constexpr":
                 continue
             if not isinstance(kind, str):
@@ -240,6 +249,15 @@ class DirectLaunch:
             elif kind in _PARAM_CTYPES and isinstance(value, (int, float)) and not is_slot(value):
                 params.append(_PARAM_CTYPES[kind](value))
                 sizes.append(ctypes.sizeof(params[-1]))
+            elif kind.startswith("tensordesc") and position in (descriptors or {}):
+                slot, descriptor = descriptors[position]
+                tensor_map = _TensorMap.of(descriptor, next(maps_meta, None), slot)
+                if tensor_map is None:
+                    return None
+                maps.append(tensor_map)
+                # Triton passes the map, then the shape (int32) and the strides (int64)
+                params += [tensor_map, *map(ctypes.c_int32, descriptor.shape), *map(ctypes.c_int64, descriptor.strides)]
+                sizes += [_TENSOR_MAP_BYTES, *[4] * len(descriptor.shape), *[8] * len(descriptor.strides)]
             else:
                 return None
         found = _param_sizes(compiled.function)
@@ -249,20 +267,99 @@ class DirectLaunch:
         if len(scratch) > 2 or any(size != 8 for size in scratch):
             return None
         params += [ctypes.c_uint64(0) for _ in scratch]
-        return cls(compiled.function, grid, 32 * metadata.num_warps, metadata.shared, device, params, tensor_slots)
+        return cls(compiled.function, grid, 32 * metadata.num_warps, metadata.shared, device, params, tensor_slots,
+                   maps)
 
     def __call__(self, slots: list, fallback: Callable[[], None]) -> None:
         """Launch on the tensors of ``slots``; ``fallback()`` launches through Triton instead (a hook installed)."""
         if _launch_hooks():
             fallback()
             return
-        if self.slots:
-            self.pack(self.pointers, 0, *self.spread([slots[slot].data_ptr() for slot in self.slots]))
         if self.empty:
             return
+        addresses = self.spread([slots[slot].data_ptr() for slot in self.slots]) if self.slots else ()
         ensure_context(self.device)
-        _checked(_cu_launch_kernel()(*self.launch_args, torch._C._cuda_getCurrentRawStream(self.device), self.params,
-                                     None), "cuLaunchKernel")
+        stream = _raw_stream(self.device)
+        with self.lock:  # one buffer: a replay of this plan on another thread waits until the driver has read it
+            self.pack(self.pointers, 0, *addresses)
+            for tensor_map in self.maps:
+                tensor_map.encode(slots[tensor_map.slot].data_ptr())
+            _checked(_cu_launch_kernel()(*self.launch_args, stream, self.params, None), "cuLaunchKernel")
+
+
+def _raw_stream(device: int) -> int:
+    """The current stream's handle (what Triton's runner asks PyTorch for)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+_TENSOR_MAP_BYTES = 128
+# CUtensorMapInterleave NONE, CUtensorMapL2promotion L2_128B, CUtensorMapFloatOOBfill NONE and
+# NAN_REQUEST_ZERO_FMA: what Triton's launcher encodes with.
+_INTERLEAVE_NONE, _L2_PROMOTION_128B, _OOB_FILL_NONE, _OOB_FILL_NAN = 0, 2, 0, 1
+
+
+class _TensorMap:
+    """A host tensor descriptor's ``CUtensorMap`` in a direct launch's parameters, encoded at each launch on its
+    tensor's address with the recorded shape, strides, block, swizzle and dtype (``cuTensorMapEncodeTiled``, as
+    Triton's launcher does). :meth:`of` checks, once, that it encodes the bytes Triton's own encoder writes."""
+
+    def __init__(self, slot: int, dtype: int, shape, strides_bytes, block, swizzle: int, fill: int):
+        self.slot = slot
+        rank = len(shape)
+        self.storage = (ctypes.c_uint8 * (_TENSOR_MAP_BYTES + 64))()  # a CUtensorMap is 64-byte aligned
+        self.address = (ctypes.addressof(self.storage) + 63) & ~63
+        # The driver takes the dimensions innermost first, and no stride for the innermost one.
+        self.arrays = ((ctypes.c_uint64 * rank)(*reversed(shape)), (ctypes.c_uint64 * rank)(*reversed(strides_bytes)),
+                       (ctypes.c_uint32 * rank)(*reversed(block)), (ctypes.c_uint32 * rank)(*[1] * rank))
+        self.settings = (dtype, rank, _INTERLEAVE_NONE, swizzle, _L2_PROMOTION_128B, fill)
+
+    def encode(self, address: int) -> None:
+        dtype, rank, interleave, swizzle, promotion, fill = self.settings
+        _checked(_cu_tensor_map_encode_tiled()(self.address, dtype, rank, address, *self.arrays, interleave,
+                                               swizzle, promotion, fill), "cuTensorMapEncodeTiled")
+
+    def bytes(self) -> bytes:
+        return ctypes.string_at(self.address, _TENSOR_MAP_BYTES)
+
+    @classmethod
+    def of(cls, descriptor, meta: dict | None, slot: int) -> _TensorMap | None:
+        """The map of ``descriptor`` (a Gluon host descriptor, its tensor's slot), or None where the kernel takes it
+        otherwise (no metadata: not lowered to a TMA descriptor), for a layout it does not know, or where its bytes
+        would not be Triton's."""
+        try:
+            from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+            from triton.runtime import driver
+
+            if meta is None or meta.get("fp4_padded") or descriptor.strides[-1] != 1:
+                return None
+            elem_size, dtype = meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]]
+            block, swizzle = list(meta["block_size"]), meta["swizzle"]
+            fill = _OOB_FILL_NAN if descriptor.padding == "nan" else _OOB_FILL_NONE
+            strides_bytes = [s * elem_size for s in descriptor.strides[:-1]]
+            tensor_map = cls(slot, dtype, list(descriptor.shape), strides_bytes, block, swizzle, fill)
+            # Triton's encoding of the same at one address, read out of its PyCUtensorMap (the map at byte 128 of
+            # a 256-byte object, 128-byte aligned): equal bytes, or no direct launch.
+            probe = 1 << 20
+            theirs = driver.active.utils.fill_tma_descriptor(probe, swizzle, elem_size, dtype, block,
+                                                              list(descriptor.shape), list(descriptor.strides),
+                                                              int(fill == _OOB_FILL_NAN))
+            if type(theirs).__basicsize__ != 2 * _TENSOR_MAP_BYTES:
+                return None
+            tensor_map.encode(probe)
+            if ctypes.string_at(id(theirs) + _TENSOR_MAP_BYTES, _TENSOR_MAP_BYTES) != tensor_map.bytes():
+                return None
+            return tensor_map
+        except (ImportError, AttributeError, KeyError, TypeError, ValueError, RuntimeError):
+            return None
+
+
+@functools.cache
+def _cu_tensor_map_encode_tiled():
+    encode = _libcuda().cuTensorMapEncodeTiled
+    encode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, *[ctypes.c_void_p] * 4,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    encode.restype = ctypes.c_int
+    return encode
 
 
 def _launch_hooks() -> bool:

@@ -13,8 +13,8 @@ keeps them as a plan: allocations, in-place fills, views and device-side asserti
 named by where they came from (an argument of the call, or an earlier step's result), and launches of the compiled
 kernels with their argument lists. Later calls of the signature replay the plan: the same allocations, the same
 launches on the new tensors (by ``cuLaunchKernel`` on a parameter buffer kept with the plan, where
-``launch.DirectLaunch`` can build one: Triton's kernels without tensor descriptors). A call that runs anything else (an ATen op that computes, a kernel launched through
-Triton's interpreter, a tensor whose origin the recorder cannot name) gets no plan and always runs as it is.
+``launch.DirectLaunch`` can build one). A call that runs anything else (an ATen op that computes, a kernel launched
+through Triton's interpreter, a tensor whose origin the recorder cannot name) gets no plan and always runs as it is.
 
 Planning stays off where the implementation's ATen ops are what someone watches (a dispatch mode is active), and
 for tensor subclasses. Plans are kept per function, for the :data:`MAX_PLANS` signatures used last.
@@ -142,17 +142,19 @@ class _Recorder(TorchDispatchMode):
 
     def launched(self, runner: Callable, values: tuple, device: int | None, direct: Callable | None = None) -> None:
         """``launch.launch`` launched ``runner(*values)`` on the current stream; ``device`` where host tensor
-        descriptors need its context current (``launch.ensure_context``); ``direct(named_values, is_slot)``
-        builds the launch's ``launch.DirectLaunch`` (or None), which replays it where one can be built."""
+        descriptors need its context current (``launch.ensure_context``); ``direct(named_values, is_slot,
+        descriptors)`` builds the launch's ``launch.DirectLaunch`` (or None), which replays it where one can be
+        built."""
         if self.failure is not None:
             return
         try:
             descriptors = tuple((i, self._named((v.base,))[0], _without_base(v)) for i, v in enumerate(values)
                                 if isinstance(v, launches.TensorDescriptor))
             named = self._named(None if isinstance(v, launches.TensorDescriptor) else v for v in values)
-            fast = None if direct is None or descriptors else direct(named, is_slot=lambda v: type(v) is _Slot)
-            self.steps.append(_launch_step(runner, named, descriptors, device) if fast is None
-                              else _direct_step(fast, runner, named))
+            through_triton = _launch_step(runner, named, descriptors, device)
+            fast = None if direct is None else direct(named, is_slot=lambda v: type(v) is _Slot,
+                                                      descriptors={i: (base, d) for i, base, d in descriptors})
+            self.steps.append(through_triton if fast is None else _direct_step(fast, through_triton))
         except _Unplannable as error:
             self.failure = str(error)
 
@@ -210,13 +212,11 @@ def _launch_step(runner: Callable, values: tuple, descriptors: tuple, device: in
     return step
 
 
-def _direct_step(direct: launches.DirectLaunch, runner: Callable, values: tuple) -> Callable[[list], None]:
-    """Launches by ``direct`` on the tensors of the slots (through ``runner`` while a Triton launch hook is
-    installed)."""
-    fill = _filler(values)
-
+def _direct_step(direct: launches.DirectLaunch, through_triton: Callable[[list], None]) -> Callable[[list], None]:
+    """Launches by ``direct`` on the tensors of the slots (by ``through_triton``, the same launch as a
+    :func:`_launch_step`, while a Triton launch hook is installed)."""
     def step(slots: list) -> None:
-        direct(slots, lambda: runner(*fill(slots)))
+        direct(slots, lambda: through_triton(slots))
     step.direct = direct  # for tests
     return step
 
