@@ -14,9 +14,9 @@ raise, and that launch goes through Triton.
 
 Off the GPU (Triton's interpreter) and for argument types it does not know, it is ``kernel[grid](**kwargs)``.
 
-A call plan's replay (``plans``) goes one step further for the kernels it can (:class:`DirectLaunch`): one
-``cuLaunchKernel`` on a parameter buffer built when the plan was recorded, whose tensor addresses alone are
-rewritten at each replay, instead of Triton's runner.
+A call plan's replay (``plans``) goes one step further where it can (:class:`DirectLaunch`): one
+``cuLaunchKernel`` on a parameter buffer built when the plan was recorded, of which only the tensor addresses (and
+the host tensor descriptors' maps, encoded on them) change at each replay, instead of Triton's runner.
 
 Every kernel of the library is launched here: a call being recorded as a plan (``plans``) learns of its launches
 from this function alone.
