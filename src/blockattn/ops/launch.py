@@ -330,25 +330,26 @@ class _TensorMap:
             from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
             from triton.runtime import driver
 
-            if meta is None or meta.get("fp4_padded") or descriptor.strides[-1] != 1:
+            if (meta is None or meta.get("fp4_padded") or meta.get("is_im2col") or descriptor.strides[-1] != 1
+                    or getattr(descriptor, "round_f32_to_tf32", False)):
                 return None
             elem_size, dtype = meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]]
             block, swizzle = list(meta["block_size"]), meta["swizzle"]
             fill = _OOB_FILL_NAN if descriptor.padding == "nan" else _OOB_FILL_NONE
             strides_bytes = [s * elem_size for s in descriptor.strides[:-1]]
             tensor_map = cls(slot, dtype, list(descriptor.shape), strides_bytes, block, swizzle, fill)
-            # Triton's encoding of the same at one address, read out of its PyCUtensorMap (the map at byte 128 of
-            # a 256-byte object, 128-byte aligned): equal bytes, or no direct launch.
+            # Triton's encoding of the same at one address (``fill_tma_descriptor_tiled`` from triton 3.7 on),
+            # read out of its PyCUtensorMap, whose last member is the map: equal bytes, or no direct launch.
+            utils = driver.active.utils
+            encode = getattr(utils, "fill_tma_descriptor_tiled", None) or utils.fill_tma_descriptor
             probe = 1 << 20
-            theirs = driver.active.utils.fill_tma_descriptor(probe, swizzle, elem_size, dtype, block,
-                                                              list(descriptor.shape), list(descriptor.strides),
-                                                              int(fill == _OOB_FILL_NAN))
-            if type(theirs).__basicsize__ != 2 * _TENSOR_MAP_BYTES:
+            theirs = encode(probe, swizzle, elem_size, dtype, block, list(descriptor.shape), list(descriptor.strides),
+                            int(fill == _OOB_FILL_NAN))
+            offset = type(theirs).__basicsize__ - _TENSOR_MAP_BYTES
+            if offset < 16 or offset % 64:
                 return None
             tensor_map.encode(probe)
-            if ctypes.string_at(id(theirs) + _TENSOR_MAP_BYTES, _TENSOR_MAP_BYTES) != tensor_map.bytes():
-                return None
-            return tensor_map
+            return tensor_map if ctypes.string_at(id(theirs) + offset, _TENSOR_MAP_BYTES) == tensor_map.bytes() else None
         except (ImportError, AttributeError, KeyError, TypeError, ValueError, RuntimeError):
             return None
 
