@@ -338,7 +338,7 @@ class _TensorMap:
             fill = _OOB_FILL_NAN if descriptor.padding == "nan" else _OOB_FILL_NONE
             strides_bytes = [s * elem_size for s in descriptor.strides[:-1]]
             tensor_map = cls(slot, dtype, list(descriptor.shape), strides_bytes, block, swizzle, fill)
-            # Triton's encoding of the same at one address (``fill_tma_descriptor_tiled`` from triton 3.7 on),
+            # Triton's encoding of the same at one address (``fill_tma_descriptor_tiled`` in newer ones: 3.9),
             # read out of its PyCUtensorMap, whose last member is the map: equal bytes, or no direct launch.
             utils = driver.active.utils
             encode = getattr(utils, "fill_tma_descriptor_tiled", None) or utils.fill_tma_descriptor
