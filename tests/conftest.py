@@ -89,16 +89,17 @@ def random_angles(num_tokens, head_dim, dtype=torch.float32, device="cpu"):
 
 
 def run_backend(name, q, k, v, do, offsets, block_size, sinu_pos=None, rotate=0, grads=None, in_block=PLAIN,
-                **options):
+                forward=True, **options):
     """``(out, dq, dk, dv)`` of one backend's launchers (``backends.BACKENDS[name]``), bypassing the dispatcher,
     then the gradients of ``in_block``'s biases where it has them; ``options`` go to the backward launcher (the
-    Triton kernels' tuning overrides)."""
+    Triton kernels' tuning overrides). ``out`` is None where the backend has no forward or ``forward`` is False (a
+    backward whose forward kernel does not take the call: the Hopper forward runs plain calls only)."""
     backend = backends.BACKENDS[name]
     scale = 1.0 / math.sqrt(q.shape[-1])
     table = build_block_table(offsets, q.shape[0], block_size)
     rotate = rotate if sinu_pos is not None else 0
-    out = (backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, in_block) if backend.forward
-           else None)
+    out = (backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, in_block)
+           if backend.forward and forward else None)
     grads = grads or (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
     bias_grads = backend.backward(do, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, in_block, grads,
                                   **options)

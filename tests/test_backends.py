@@ -39,6 +39,8 @@ def test_gpus_from_ampere_take_the_kernels(capability, gpu_capability):
     hopper = capability[0] == 9
     assert select(call("fwd")).name == "triton"
     assert select(call("bwd")).name == ("sm90-gluon" if hopper and backends.sm90_ops is not None else "triton")
+    gqa = select(call("fwd", heads=(8, 2))).name
+    assert gqa == ("sm90-gluon" if hopper and backends.sm90_fwd_ops is not None else "triton")
     assert devices.kernels_run_on(torch.device("cuda"))
 
 
@@ -80,7 +82,7 @@ def test_fp8_block_attention_needs_fp8_gpus(capability, gpu_capability):
      ({"block_size": 16, "head_dim": 16}, "D in (32, 64, 128, 256) at 16-token blocks"),
      ({"block_size": 128, "head_dim": 256}, "D in (32, 64, 128)"),
      ({"head_dim": 96}, "D in (32, 64, 128, 256)"), ({"dtype": torch.float32}, "float16 and bfloat16"),
-     ({"tma_rows": False}, "rows"), ({"pass_name": "fwd"}, "no fwd kernel"),
+     ({"tma_rows": False}, "rows"), ({"pass_name": "fwd"}, "the Triton forward measured faster"),
      ({"heads": (4, 2), "in_block": 6}, "biases together without GQA"),
      ({"block_size": 128, "in_block": 1}, "in-block options at 64-token blocks with D <= 128"),
      ({"head_dim": 256, "in_block": 4}, "in-block options at 64-token blocks with D <= 128")],
@@ -200,3 +202,21 @@ def test_flash_call_reads_whether_rows_follow():
     assert FlashCall.of(q.flatten(0, 1), q.flatten(0, 1), q.flatten(0, 1), "auto", causal=False).rows_follow
     assert not FlashCall.of(q[:, :100], q, q, "auto", causal=False).rows_follow
     assert FlashCall.of(q[:1, :100], q, q, "auto", causal=False).rows_follow  # one sequence
+
+
+@pytest.mark.skipif(backends.sm90_fwd_ops is None, reason="this triton has no Gluon Hopper API")
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 4), (6, 2), (8, 2), (8, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
+def test_hopper_forward_rule(heads, head_dim, block_size, gpu_capability):
+    """The warp-specialised Hopper forward takes plain 16-bit calls of 64-row tiles where it measured faster than
+    the Triton forward: D = 128 under GQA of 2 to 4 query heads a kv head, D = 64 with 2; never a rotary, an
+    in-block option, fp32 or rows TMA cannot read."""
+    gpu_capability((9, 0))
+    group = heads[0] // heads[1]
+    faster = (head_dim == 128 and 2 <= group <= 4) or (head_dim == 64 and group == 2)
+    plain = call("fwd", heads=heads, head_dim=head_dim, block_size=block_size)
+    assert select(plain).name == ("sm90-gluon" if faster and block_size <= 64 else "triton")
+    for other in ({"rotate": 7}, {"in_block": 1}, {"dtype": torch.float32}, {"tma_rows": False}):
+        changed = call("fwd", heads=heads, head_dim=head_dim, block_size=block_size, **other)
+        assert select(changed).name == "triton"

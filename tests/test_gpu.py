@@ -28,7 +28,9 @@ from conftest import (
 import blockattn
 from blockattn import backends, devices
 from blockattn.backends import AttentionCall
+from blockattn.block_table import build_block_table
 from blockattn.checks import rotate_mask
+from blockattn.ops.in_block import PLAIN
 from blockattn.ops.tiles import ROTATE_ALL
 from blockattn.reference import rotary_reference, snr_db
 
@@ -251,8 +253,8 @@ def test_fused_rotary_backward_is_bitwise_deterministic(heads):
 def test_dispatcher_on_this_gpu():
     """On this GPU the Hopper kernels take the backward of every block size at D = 128 (16 and 32 tokens as 64-row
     tiles, but for the rotary without GQA), with or without GQA, 16-bit tensors that TMA reads as [N, H * D] rows,
-    with or without a rotary (on other GPUs the Triton kernels do); the forward and every other backward run the
-    Triton kernels."""
+    with or without a rotary, and the plain forward under GQA up to 64-token blocks (on other GPUs the Triton kernels
+    do); every other forward and backward runs the Triton kernels."""
     q, k, v, do, _ = random_inputs([100], 3, 3, 128, torch.bfloat16, "cuda")
     narrow = random_inputs([100], 3, 3, 16, torch.bfloat16, "cuda")[:4]
 
@@ -267,6 +269,9 @@ def test_dispatcher_on_this_gpu():
         gqa = (q, k[:, :1], v[:, :1], do, (q, k[:, :1], v[:, :1]), block_size, rotate)
         assert chosen("bwd", *gqa) == production
         assert chosen("fwd", q, k, v, do, (), block_size, rotate) == "triton"
+        # 3 query heads a kv head, plain, up to 64-token blocks: the warp-specialised forward
+        plain_tiles = not rotate and block_size <= 64
+        assert chosen("fwd", *gqa[:4], (), block_size, rotate) == (production if plain_tiles else "triton")
     padded_heads = torch.randn(100, 3, 136, dtype=torch.bfloat16, device="cuda")[..., :128]
     odd_rows = torch.randn(100, 385, dtype=torch.bfloat16, device="cuda")[:, :384].view(100, 3, 128)
     for other in [
@@ -339,6 +344,47 @@ def test_sm90_backward_blocks_in_tiles(dtype, block_size, head_dim, heads, rotat
     """16- and 32-token blocks, 4 or 2 to a 64-row tile (``tiles.blocks_per_tile``), the forward's Triton tiles
     too: odd lengths, so that tiles hold blocks of several sequences, partial blocks and padding slots."""
     check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
+
+
+def forward_of(backend, q, k, v, offsets, block_size):
+    """A backend's forward launched directly (the warp-specialised Hopper one: the dispatcher gives it part of what
+    it runs)."""
+    table = build_block_table(offsets, q.shape[0], block_size)
+    return backends.BACKENDS[backend].forward(q, k, v, offsets, table, block_size, q.shape[-1] ** -0.5, None, 0, PLAIN)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("heads", [(3, 3), (4, 2), (6, 2), (8, 1), (8, 4)], ids=lambda h: f"{h[0]}:{h[1]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sm90_forward_accuracy_contract(dtype, heads, head_dim, block_size, poisoned_outputs):
+    """Every shape the kernel takes, on odd lengths: 64-row tiles of one 64-token block or of several sequences'
+    16- and 32-token blocks, partial blocks, padding slots; groups of 1 to 8 query heads, odd and even (at D = 128
+    fewer q slots than the group)."""
+    q, k, v, do, offsets = random_inputs(random_lengths(6, 400, block_size), *heads, head_dim, dtype, "cuda")
+    assert backends.sm90_fwd_ops.kernel_reason(AttentionCall.of("fwd", q, k, block_size, 0, tensors=(q, k, v))) is None
+    out = forward_of("sm90-gluon", q, k, v, offsets, block_size)
+    assert_within_2x_pytorch([out], q, k, v, do, offsets, block_size, names=("out",))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("backend", ["sm90-gluon", "triton"])
+def test_forward_nan_stays_in_its_block(backend):
+    """A NaN in one sequence's q, k, v reaches no other row, though the kernels load it with the rows of the
+    partial block before it (there zeroed before the product). (Tiles of several 16- or 32-token blocks do not keep
+    a NaN or inf of v in its block: docs/semantics.md.)"""
+    lengths = [40, 23, 64, 9, 70]
+    q, k, v, _, offsets = random_inputs(lengths, 8, 2, 64, torch.bfloat16, "cuda")
+    clean = forward_of(backend, q, k, v, offsets, 64)
+    poisoned = slice(40, 63)  # the second sequence
+    for t in (q, k, v):
+        t[poisoned] = float("nan")
+    out = forward_of(backend, q, k, v, offsets, 64)
+    outside = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+    outside[poisoned] = False
+    assert torch.equal(out[outside], clean[outside])
+    assert out[poisoned].isnan().all()
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")

@@ -83,7 +83,7 @@ def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InB
     and the time buckets' table where :func:`_builds_buckets` (else ``buckets`` is None), then the forward runs by
     the backend the dispatcher picks."""
     rotate = _rotate_mask(sinu_pos, rotate)
-    backend = backends.select(AttentionCall.of("fwd", q, k, block_size, rotate, options.bits))
+    backend = backends.select(AttentionCall.of("fwd", q, k, block_size, rotate, options.bits, tensors=(q, k, v)))
     built = build_block_table(offsets, q.shape[0], block_size) if block_cum is None else None
     table = BlockTable(block_cum, block_seq) if built is None else built
     buckets = None

@@ -1,25 +1,32 @@
-"""The Hopper backward against the Triton one it replaces, its heads-per-program rule against fixed counts, and
-16- and 32-token blocks in 64-row tiles against one block a program, in one process (the sweep's measurement:
-``bench --sweep``'s workload, each op alone replayed as a CUDA graph).
+"""The Hopper kernels against the Triton ones they replace, in one process (the sweep's measurement: ``bench
+--sweep``'s workload, each op alone replayed as a CUDA graph): the warp-specialised forward against the Triton
+forward, the Hopper backward's heads-per-program rule against fixed counts, and 16- and 32-token blocks in 64-row
+tiles against one block a program.
 
-    python benchmarks/hopper_backward_ab.py            # --rep-ms 10
+    python benchmarks/hopper_ab.py                  # --rep-ms 10
+    python benchmarks/hopper_ab.py --pass fwd       # the forward's cases alone
 
-Prints, per configuration (bf16, 8 query heads), the pass's time over its memory floor for each variant: ``h1``/
-``h2``/``h4`` (the non-GQA kernel with that many heads a program), ``b1`` (one block a program at 16 and 32
-tokens: the forward's Triton kernel on the block, the backward's Triton kernels), ``tiles`` (64-row tiles of 16-
-or 32-token blocks in both passes, the backward's on the Hopper kernels), ``rule`` (the launchers' choice) and
-``triton`` (the dispatcher without the Hopper backend).
+Prints, per configuration (bf16, 8 query heads), the pass's time over its memory floor for each variant: ``rule``
+(the dispatcher's choice), ``triton`` (the dispatcher without the Hopper kernels), ``ws`` (the warp-specialised
+forward wherever its kernel runs the call), ``q2`` (the same with two q slots a consumer, not the group's),
+``h1``/``h2``/``h4`` (the non-GQA backward kernel with that many heads a program), ``b1`` (one block a program at 16 and 32 tokens: the forward's Triton kernel on the block, the
+backward's Triton kernels), ``tiles`` (64-row tiles of 16- or 32-token blocks in both passes: the Triton forward,
+the Hopper backward).
 """
 
 import argparse
+import dataclasses
 
 from blockattn import backends
 from blockattn.bench import harness, sweep
 from blockattn.ops import block_attention_sm90 as sm90
+from blockattn.ops import block_attention_sm90_fwd as sm90_fwd
 from blockattn.ops import plans, tiles
 
 # (block size, head dim, kv heads, rotary), pass, variants
 CASES = [
+    *(((bs, d, kv, "none"), "fwd", ["rule", "triton", "ws", *(["q2"] if d == 64 and kv <= 2 else [])])
+      for bs in (64, 32, 16) for d in (128, 64, 32) for kv in (8, 4, 2, 1)),
     *(((bs, d, kv, rotary), pass_name, ["b1", "tiles"])
       for bs in (16, 32) for d in (32, 64, 128) for kv in (8, 2) for rotary in ("none", "fp32 angles")
       for pass_name in ("fwd", "bwd")),
@@ -41,16 +48,24 @@ CASES = [
 
 HOPPER = backends.BACKENDS["sm90-gluon"]
 RULE = sm90._heads_per_program
+FORWARD_RULE = sm90_fwd._triton_faster
+SLOTS = sm90_fwd._slots
 BLOCKS = tiles.blocks_per_tile
 
 
 def use(variant: str) -> None:
     if variant == "triton":
         del backends.BACKENDS["sm90-gluon"]
-    elif variant == "b1":
-        tiles.blocks_per_tile = lambda *args, **kwargs: 1
-    elif variant == "tiles":
-        tiles.blocks_per_tile = lambda block_size, *args, **kwargs: tiles.TILE_ROWS // block_size
+    elif variant in ("ws", "q2"):
+        sm90_fwd._triton_faster = lambda call: None
+        if variant == "q2":
+            sm90_fwd._slots = lambda *args: (2, 2)
+    elif variant in ("b1", "tiles"):  # the Triton forward's packing: the Hopper forward taken out
+        backends.BACKENDS["sm90-gluon"] = dataclasses.replace(HOPPER, forward=None)
+        if variant == "b1":
+            tiles.blocks_per_tile = lambda *args, **kwargs: 1
+        else:
+            tiles.blocks_per_tile = lambda block_size, *args, **kwargs: tiles.TILE_ROWS // block_size
     elif variant != "rule":
         count = int(variant[1:])
         sm90._heads_per_program = lambda block_size, head_dim, num_heads, options: count
@@ -58,6 +73,8 @@ def use(variant: str) -> None:
 
 def restore() -> None:
     sm90._heads_per_program = RULE
+    sm90_fwd._triton_faster = FORWARD_RULE
+    sm90_fwd._slots = SLOTS
     tiles.blocks_per_tile = BLOCKS
     others = {name: b for name, b in backends.BACKENDS.items() if name != "sm90-gluon"}
     backends.BACKENDS.clear()
@@ -67,10 +84,13 @@ def restore() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rep-ms", type=int, default=10)
+    parser.add_argument("--pass", dest="pass_name", choices=("fwd", "bwd"), help="the cases of one pass alone")
     args = parser.parse_args()
     tbps = harness.copy_bandwidth_tbps(args.rep_ms)
     print(f"{harness.environment()['device']}; copy bandwidth {tbps:.2f} TB/s", flush=True)
     for (block_size, head_dim, kv_heads, rotary), pass_name, variants in CASES:
+        if args.pass_name not in (None, pass_name):
+            continue
         config = sweep.Config(block_size, head_dim, kv_heads, "bfloat16", rotary)
         cells = []
         for variant in variants:

@@ -1,0 +1,320 @@
+"""The forward of block attention on Hopper (sm_90) under GQA: a warp-specialised, persistent Gluon kernel, its
+launcher, and when the dispatcher gives it a call (:func:`why_not`).
+
+The Triton forward runs one chain a program (load, ``Q K^T``, softmax, ``P V``, store) with few programs an SM
+under GQA, so too few loads are in flight for an H200's memory (Nsight Compute, 2026-11-28: half of a warp's wait on
+its global loads, 3.25 TB/s at 8:2 against 4.15 without GQA). Here a producer warp keeps them in flight: a program
+per multiprocessor takes work items (a 64-row tile of one block, or of four 16-token or two 32-token blocks, and one
+kv head) in turn, and
+
+- the producer warp lands each item's k and v tiles, then its query heads' q tiles, by TMA into rings in shared
+  memory, each slot as soon as its consumer released it: two k/v slots a consumer, and q slots for the whole group
+  where shared memory holds them (:func:`_slots`);
+- two consumer warpgroups take the items in turn (even and odd), so that one's products and softmax run while the
+  other's stores drain. For each query head of its item a consumer computes ``S = Q K^T`` (wgmma from shared
+  memory; the next head's is issued before this head's softmax), the exact softmax of the whole tile (one tile holds
+  every key: no online rescaling), ``O = P V`` with ``P`` in registers, and stores its rows of ``O``.
+
+Every program finds its items' bounds 32 at a time (one vector of loads for the batch instead of a chain of
+dependent loads per item). Rows past the tile's end are the next block's (or TMA's zeros): their keys are masked,
+their values zeroed in shared memory before the product (a NaN there must not reach this block), their outputs not
+stored. In a tile of several blocks a NaN or inf in one block's values reaches the others, as in the Triton forward's
+tiles (docs/semantics.md).
+
+What did not pay (H200, the sweep's lengths, bf16, time over the floor; docs/benchmarks.md, 2026-11-28): three
+consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.60x against 1.11x with two); the
+rotary turned in shared memory by the consumers (1.43-4.42x over two versions, against the Triton forward's
+1.19-1.46x: the angles' registers spill); fewer q slots than the group at D = 64 (8:2 1.41x against 1.16x with four); checking the values of
+tiles of several blocks for NaN or inf, to take the blocks apart where one is found (D = 128 8:4: 1.10 -> 1.55x at
+32-token blocks, 1.12 -> 1.82x at 16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .. import devices
+from ..block_table import BlockTable
+from . import tiles
+from .block_attention_sm90 import _GL_DTYPES, _angles, _descriptor, _mma_layout, _prepare_tile, _rows_layout
+from .gluon_sm90 import tma_load
+from .in_block import InBlock
+from .launch import launch
+from .tiles import LOG2E, same_block, softmax_probs, tile_bounds
+
+_HEAD_DIMS = (32, 64, 128)
+_MAX_GROUP = 8  # query heads a kv head (the consumers' group loop is unrolled)
+_CONSUMERS = gl.constexpr(2)
+_BATCH = 32  # items whose bounds a program loads at once
+_RING_BYTES = 192 * 1024  # the rings' shared memory
+_CONSUMER_REGS = gl.constexpr(232)
+_PRODUCER_REGS = gl.constexpr(40)
+
+
+@gluon.jit
+def _batch_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items, first,
+                  NUM_KV_HEADS: gl.constexpr, TILE: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr):
+    """``(start, length, second, third, fourth)`` (``tiles.tile_bounds``) of this program's items ``first`` to
+    ``first + BATCH - 1`` (its own count: item ``program_id + j * num_programs``), as vectors; length 0 past the
+    last item."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    items = gl.program_id(0) + (first + gl.arange(0, BATCH, layout=layout)) * gl.num_programs(0)
+    valid = items < num_items
+    start, length, second, third, fourth = tile_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr,
+                                                       gl.where(valid, items // NUM_KV_HEADS, 0), num_seqs,
+                                                       num_tokens, TILE, BLOCKS)
+    return start, gl.where(valid, length, 0), second, third, fourth
+
+
+@gluon.jit
+def _pick(vector, i):
+    """Element ``i`` of a batch vector."""
+    lanes = gl.arange(0, vector.shape[0], layout=vector.type.layout)
+    return gl.sum(gl.where(lanes == i, vector, gl.zeros_like(vector)), axis=0)
+
+
+@gluon.jit
+def _producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr):
+    """One warp: for each item, once its consumer released the slots, k and v into the consumer's next k/v slot
+    and each query head's q into its next q slot."""
+    (q_desc, k_desc, v_desc, kv_smem, q_smem, bars, block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
+     num_items) = loads
+    TILE: gl.constexpr = q_smem.shape[1]
+    D: gl.constexpr = q_smem.shape[2]
+    KV_SLOTS: gl.constexpr = kv_smem.shape[0] // (2 * _CONSUMERS)
+    Q_SLOTS: gl.constexpr = q_smem.shape[0] // _CONSUMERS
+    KV_READY: gl.constexpr = 0
+    KV_EMPTY: gl.constexpr = _CONSUMERS * KV_SLOTS
+    Q_READY: gl.constexpr = 2 * _CONSUMERS * KV_SLOTS
+    Q_EMPTY: gl.constexpr = Q_READY + _CONSUMERS * Q_SLOTS
+    count = (num_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+    loaded0 = 0  # items loaded for each consumer
+    loaded1 = 0
+    for first in range(0, count, BATCH):
+        starts, lengths, _, _, _ = _batch_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
+                                                 num_items, first, NUM_KV_HEADS, TILE, BLOCKS, BATCH)
+        for i in range(gl.minimum(BATCH, count - first)):
+            j = first + i
+            c = j % _CONSUMERS
+            if _pick(lengths, i) > 0:
+                row = _pick(starts, i).to(gl.int32)
+                kv_head = (gl.program_id(0) + j * gl.num_programs(0)) % NUM_KV_HEADS
+                n = gl.where(c == 0, loaded0, loaded1)
+                slot = c * KV_SLOTS + n % KV_SLOTS
+                # A fresh barrier counts as completed in the phase before its first: the first wait returns at once.
+                mbarrier.wait(bars.index(KV_EMPTY + slot), ((n // KV_SLOTS) & 1) ^ 1)
+                landed = bars.index(KV_READY + slot)
+                mbarrier.expect(landed, 2 * k_desc.block_type.nbytes)
+                tma_load(k_desc, [row, kv_head * D], landed, kv_smem.index(2 * slot))
+                tma_load(v_desc, [row, kv_head * D], landed, kv_smem.index(2 * slot + 1))
+                for g in range(GROUP):
+                    qn = n * GROUP + g
+                    q_slot = c * Q_SLOTS + qn % Q_SLOTS
+                    mbarrier.wait(bars.index(Q_EMPTY + q_slot), ((qn // Q_SLOTS) & 1) ^ 1)
+                    mbarrier.expect(bars.index(Q_READY + q_slot), q_desc.block_type.nbytes)
+                    tma_load(q_desc, [row, (kv_head * GROUP + g) * D], bars.index(Q_READY + q_slot),
+                             q_smem.index(q_slot))
+                loaded0 += (c == 0).to(gl.int32)
+                loaded1 += (c == 1).to(gl.int32)
+
+
+@gluon.jit
+def _q_ready(q_smem, bars, qn, Q_READY: gl.constexpr, Q_SLOTS: gl.constexpr, C: gl.constexpr):
+    """Query tile ``qn`` of consumer ``C``, landed: ``(tile, its slot)``."""
+    q_slot = C * Q_SLOTS + qn % Q_SLOTS
+    mbarrier.wait(bars.index(Q_READY + q_slot), (qn // Q_SLOTS) & 1)
+    return q_smem.index(q_slot), q_slot
+
+
+@gluon.jit
+def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr,
+              C: gl.constexpr):
+    """Consumer warpgroup ``C``: the items ``j`` of this program with ``j % _CONSUMERS == C``, every query head of
+    each; the next head's ``Q K^T`` runs while this one's softmax does."""
+    (kv_smem, q_smem, bars, o_ptr, stride_on, block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
+     num_items, qk_scale_log2) = work
+    TILE: gl.constexpr = q_smem.shape[1]
+    D: gl.constexpr = q_smem.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    KV_SLOTS: gl.constexpr = kv_smem.shape[0] // (2 * _CONSUMERS)
+    Q_SLOTS: gl.constexpr = q_smem.shape[0] // _CONSUMERS
+    KV_READY: gl.constexpr = 0
+    KV_EMPTY: gl.constexpr = _CONSUMERS * KV_SLOTS
+    Q_READY: gl.constexpr = 2 * _CONSUMERS * KV_SLOTS
+    Q_EMPTY: gl.constexpr = Q_READY + _CONSUMERS * Q_SLOTS
+    s_layout: gl.constexpr = _mma_layout(TILE, TILE, 4)
+    o_layout: gl.constexpr = _mma_layout(TILE, D, 4)
+    # 16-bit P stays in registers as the second product's first operand: the score accumulator's layout is that
+    # operand's (no data moves).
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # Whole rows, 8 elements a thread: the output's stores (the compiler stages the accumulator through shared
+    # memory).
+    out_layout: gl.constexpr = _rows_layout(D, 4)
+    offs_i = gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+    offs_j = gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
+    rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, out_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, out_layout))
+    s_zero = gl.zeros([TILE, TILE], gl.float32, s_layout)
+    o_zero = gl.zeros([TILE, D], gl.float32, o_layout)
+    count = (num_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+    done = 0
+    for first in range(0, count, BATCH):
+        starts, lengths, seconds, thirds, fourths = _batch_bounds(
+            block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items, first, NUM_KV_HEADS, TILE,
+            BLOCKS, BATCH)
+        for i in range((C - first % _CONSUMERS + _CONSUMERS) % _CONSUMERS, gl.minimum(BATCH, count - first),
+                       _CONSUMERS):
+            length = _pick(lengths, i)
+            if length > 0:
+                start = _pick(starts, i)
+                kv_head = (gl.program_id(0) + (first + i) * gl.num_programs(0)) % NUM_KV_HEADS
+                slot = C * KV_SLOTS + done % KV_SLOTS
+                mbarrier.wait(bars.index(KV_READY + slot), (done // KV_SLOTS) & 1)
+                k = kv_smem.index(2 * slot)
+                v = kv_smem.index(2 * slot + 1)
+                if length < TILE:
+                    # The values past the tile's end are the next block's (or TMA's zeros): P is 0 there, but 0 * NaN
+                    # is not. (Without ROTATE no angle is loaded: o_ptr stands in for them.)
+                    sin, cos, row_ok = _angles(o_ptr, start, length, 0, 0, TILE, D, 0, D // 2, 0)
+                    _prepare_tile(v, sin, cos, row_ok, 0, True)
+                    fence_async_shared()
+                if BLOCKS > 2:
+                    keys = same_block(offs_i, offs_j, _pick(seconds, i), _pick(thirds, i), _pick(fourths, i))
+                elif BLOCKS == 2:  # the third and fourth bounds are TILE
+                    keys = same_block(offs_i, offs_j, _pick(seconds, i), TILE, TILE)
+                else:
+                    keys = None
+                # Unrolled: an asynchronous product's handle cannot cross a loop iteration (GROUP <= _MAX_GROUP).
+                # The next head's Q K^T runs while this head's softmax does.
+                q, q_slot = _q_ready(q_smem, bars, done * GROUP, Q_READY, Q_SLOTS, C)
+                s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                for g in gl.static_range(GROUP):
+                    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                    mbarrier.arrive(bars.index(Q_EMPTY + q_slot))
+                    if g + 1 < GROUP:
+                        q, q_slot = _q_ready(q_smem, bars, done * GROUP + g + 1, Q_READY, Q_SLOTS, C)
+                        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    p = softmax_probs(scores, offs_j < length, qk_scale_log2, keys=keys)
+                    p = gl.convert_layout(p.to(dtype), p_layout)
+                    o = warpgroup_mma(p, v, o_zero, use_acc=False, is_async=True)
+                    o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+                    mbarrier.arrive(bars.index(KV_EMPTY + slot), pred=g == GROUP - 1)
+                    out = gl.convert_layout(o.to(o_ptr.dtype.element_ty), out_layout)
+                    base = o_ptr + start * stride_on + (kv_head * GROUP + g) * D
+                    gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :], out,
+                             mask=(rows < length)[:, None])
+                done += 1
+
+
+@gluon.jit
+def _block_attention_fwd_sm90_kernel(
+    q_desc, k_desc, v_desc, o_ptr, block_seq_ptr, block_cum_ptr, offsets_ptr,
+    num_seqs, num_tokens, num_items, qk_scale_log2, stride_on,
+    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, KV_SLOTS: gl.constexpr,
+    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr,
+):
+    TILE: gl.constexpr = q_desc.block_type.shape[0]
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    kv_smem = gl.allocate_shared_memory(dtype, [2 * _CONSUMERS * KV_SLOTS, TILE, D], k_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS * Q_SLOTS, TILE, D], q_desc.layout)
+    NUM_BARRIERS: gl.constexpr = 2 * _CONSUMERS * (KV_SLOTS + Q_SLOTS)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BARRIERS):
+        mbarrier.init(bars.index(i), count=1)
+    # Each partition's runtime arguments as one tuple, its constexprs after it (inside a tuple a constexpr would
+    # turn into a plain value).
+    work = (kv_smem, q_smem, bars, o_ptr, stride_on, block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
+            num_items, qk_scale_log2)
+    loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, bars, block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs,
+             num_tokens, num_items)
+    gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, 0)),
+                        (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, 1)),
+                        (_producer, (loads, NUM_KV_HEADS, GROUP, BLOCKS, BATCH))],
+                       [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+def _slots(head_dim: int, group: int, element_size: int) -> tuple[int, int]:
+    """``(k/v slots, q slots)`` a consumer: two of each, and q slots for the whole group (up to 8), as many as
+    :data:`_RING_BYTES` holds (the compiler's staging of the outputs takes the rest of the shared memory): the
+    producer waits for a free q slot, and with fewer slots than the group it cannot load the other consumer's next
+    item meanwhile."""
+    tile = tiles.TILE_ROWS * head_dim * element_size
+    q_slots = max(2, min(group, _RING_BYTES // (_CONSUMERS * tile) - 4))
+    return 2, q_slots
+
+
+def why_not(call) -> str | None:
+    """Why the dispatcher does not give this kernel a Hopper forward ``call`` (``backends.AttentionCall``), or
+    ``None``: what it cannot run, then where the Triton forward is faster (:func:`_triton_faster`)."""
+    return kernel_reason(call) or _triton_faster(call)
+
+
+def _triton_faster(call) -> str | None:
+    """Where the Triton forward measured faster. This kernel runs D = 128 under GQA of 2 to 4 query heads a kv head
+    and D = 64 with 2 (H200, the sweep's lengths, bf16, 8 query heads, time over the floor, Triton -> this kernel,
+    2026-11-28: D = 128 8:4 1.13 -> 1.08x at 64-token blocks, 1.16 -> 1.10x at 32, 1.20 -> 1.12x at 16; 8:2 1.20 ->
+    1.11x, 1.22 -> 1.12x, 1.24 -> 1.18x; D = 64 8:4 1.17 -> 1.12x, 1.31 -> 1.17x, 1.33 -> 1.30x). The Triton forward
+    keeps the rest: without GQA (64-token blocks at D = 128 1.00x against 1.04x: its programs keep the memory busy
+    there; at 16- and 32-token blocks with D = 64 this kernel measured faster, 1.30 -> 1.28x and 1.17 -> 1.07x, but
+    its tiles of several blocks let a NaN in v reach the tile's other blocks, where the Triton forward, one block a
+    program without GQA, keeps it in its own), at 8 query heads a kv head (1.13-1.49x against 1.31-2.67x), at 4 with
+    D = 64 (1.12-1.24x against 1.16-1.30x) and at D = 32 (1.27-1.87x against 1.41-2.67x, a tie at 16-token blocks
+    without GQA), where two consumers' chains of products, softmax and stores cannot keep up with the loads. Measured
+    on an H200 only (no H100 was lent)."""
+    group = call.num_heads // call.num_kv_heads
+    if call.head_dim == 128 and 2 <= group <= 4:
+        return None
+    if call.head_dim == 64 and group == 2:
+        return None
+    return "the Triton forward measured faster for this head dim and GQA group"
+
+
+def kernel_reason(call) -> str | None:
+    """Why this kernel cannot run a Hopper forward ``call`` (``backends.AttentionCall``), or ``None``."""
+    if call.dtype not in _GL_DTYPES:
+        return "takes float16 and bfloat16 only"
+    if call.in_block or call.rotate:
+        return "takes no rotary and no in-block option"
+    if call.block_size > tiles.TILE_ROWS:
+        return f"takes blocks of up to {tiles.TILE_ROWS} tokens"
+    if call.head_dim not in _HEAD_DIMS:
+        return f"takes D in {_HEAD_DIMS}"
+    if call.num_heads // call.num_kv_heads > _MAX_GROUP:
+        return f"takes up to {_MAX_GROUP} query heads a kv head"
+    if not call.tma_rows:
+        return "needs q, k, v as 16-byte aligned [N, H * D] rows"
+    return None
+
+
+def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                             table: BlockTable, block_size: int, scale: float, sinu_pos: torch.Tensor | None,
+                             rotate: int, options: InBlock, fp8_scales=None) -> torch.Tensor:
+    """``out`` of a forward :func:`kernel_reason` takes (the dispatcher's forward signature, ``backends``: no
+    rotary, options or fp8 scales)."""
+    n, h, d = q.shape
+    kv_heads = k.shape[1]
+    out = tiles.new_output(q)
+    blocks = tiles.TILE_ROWS // block_size
+    num_items = triton.cdiv(table.num_slots, blocks) * kv_heads
+    if num_items == 0:
+        return out
+    kv_slots, q_slots = _slots(d, h // kv_heads, q.element_size())
+    tile = tiles.TILE_ROWS
+    launch(
+        _block_attention_fwd_sm90_kernel, (min(num_items, devices.multiprocessors(q.device)),),
+        q_desc=_descriptor(q, tile), k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile), o_ptr=out,
+        **table.kernel_args(offsets), num_tokens=n, num_items=num_items, qk_scale_log2=scale * LOG2E,
+        stride_on=out.stride(0), NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=kv_slots,
+        Q_SLOTS=q_slots, BATCH=_BATCH, num_warps=4,
+    )
+    return out
