@@ -86,16 +86,12 @@ def _pick(vector, i):
 def _producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr):
     """One warp: for each item, once its consumer released the slots, k and v into the consumer's next k/v slot
     and each query head's q into its next q slot."""
-    (q_desc, k_desc, v_desc, kv_smem, q_smem, bars, block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
-     num_items) = loads
+    (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr, block_cum_ptr,
+     offsets_ptr, num_seqs, num_tokens, num_items) = loads
     TILE: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
     KV_SLOTS: gl.constexpr = kv_smem.shape[0] // (2 * _CONSUMERS)
     Q_SLOTS: gl.constexpr = q_smem.shape[0] // _CONSUMERS
-    KV_READY: gl.constexpr = 0
-    KV_EMPTY: gl.constexpr = _CONSUMERS * KV_SLOTS
-    Q_READY: gl.constexpr = 2 * _CONSUMERS * KV_SLOTS
-    Q_EMPTY: gl.constexpr = Q_READY + _CONSUMERS * Q_SLOTS
     count = (num_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
     loaded0 = 0  # items loaded for each consumer
     loaded1 = 0
@@ -111,27 +107,27 @@ def _producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl
                 n = gl.where(c == 0, loaded0, loaded1)
                 slot = c * KV_SLOTS + n % KV_SLOTS
                 # A fresh barrier counts as completed in the phase before its first: the first wait returns at once.
-                mbarrier.wait(bars.index(KV_EMPTY + slot), ((n // KV_SLOTS) & 1) ^ 1)
-                landed = bars.index(KV_READY + slot)
+                mbarrier.wait(kv_empty.index(slot), ((n // KV_SLOTS) & 1) ^ 1)
+                landed = kv_ready.index(slot)
                 mbarrier.expect(landed, 2 * k_desc.block_type.nbytes)
                 tma_load(k_desc, [row, kv_head * D], landed, kv_smem.index(2 * slot))
                 tma_load(v_desc, [row, kv_head * D], landed, kv_smem.index(2 * slot + 1))
                 for g in range(GROUP):
                     qn = n * GROUP + g
                     q_slot = c * Q_SLOTS + qn % Q_SLOTS
-                    mbarrier.wait(bars.index(Q_EMPTY + q_slot), ((qn // Q_SLOTS) & 1) ^ 1)
-                    mbarrier.expect(bars.index(Q_READY + q_slot), q_desc.block_type.nbytes)
-                    tma_load(q_desc, [row, (kv_head * GROUP + g) * D], bars.index(Q_READY + q_slot),
+                    mbarrier.wait(q_empty.index(q_slot), ((qn // Q_SLOTS) & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
+                    tma_load(q_desc, [row, (kv_head * GROUP + g) * D], q_ready.index(q_slot),
                              q_smem.index(q_slot))
                 loaded0 += (c == 0).to(gl.int32)
                 loaded1 += (c == 1).to(gl.int32)
 
 
 @gluon.jit
-def _q_ready(q_smem, bars, qn, Q_READY: gl.constexpr, Q_SLOTS: gl.constexpr, C: gl.constexpr):
+def _q_ready(q_smem, q_ready, qn, Q_SLOTS: gl.constexpr, C: gl.constexpr):
     """Query tile ``qn`` of consumer ``C``, landed: ``(tile, its slot)``."""
     q_slot = C * Q_SLOTS + qn % Q_SLOTS
-    mbarrier.wait(bars.index(Q_READY + q_slot), (qn // Q_SLOTS) & 1)
+    mbarrier.wait(q_ready.index(q_slot), (qn // Q_SLOTS) & 1)
     return q_smem.index(q_slot), q_slot
 
 
@@ -140,17 +136,13 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
               C: gl.constexpr):
     """Consumer warpgroup ``C``: the items ``j`` of this program with ``j % _CONSUMERS == C``, every query head of
     each; the next head's ``Q K^T`` runs while this one's softmax does."""
-    (kv_smem, q_smem, bars, o_ptr, stride_on, block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
-     num_items, qk_scale_log2) = work
+    (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, o_ptr, stride_on, block_seq_ptr, block_cum_ptr, offsets_ptr,
+     num_seqs, num_tokens, num_items, qk_scale_log2) = work
     TILE: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     KV_SLOTS: gl.constexpr = kv_smem.shape[0] // (2 * _CONSUMERS)
     Q_SLOTS: gl.constexpr = q_smem.shape[0] // _CONSUMERS
-    KV_READY: gl.constexpr = 0
-    KV_EMPTY: gl.constexpr = _CONSUMERS * KV_SLOTS
-    Q_READY: gl.constexpr = 2 * _CONSUMERS * KV_SLOTS
-    Q_EMPTY: gl.constexpr = Q_READY + _CONSUMERS * Q_SLOTS
     s_layout: gl.constexpr = _mma_layout(TILE, TILE, 4)
     o_layout: gl.constexpr = _mma_layout(TILE, D, 4)
     # 16-bit P stays in registers as the second product's first operand: the score accumulator's layout is that
@@ -178,7 +170,7 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                 start = _pick(starts, i)
                 kv_head = (gl.program_id(0) + (first + i) * gl.num_programs(0)) % NUM_KV_HEADS
                 slot = C * KV_SLOTS + done % KV_SLOTS
-                mbarrier.wait(bars.index(KV_READY + slot), (done // KV_SLOTS) & 1)
+                mbarrier.wait(kv_ready.index(slot), (done // KV_SLOTS) & 1)
                 k = kv_smem.index(2 * slot)
                 v = kv_smem.index(2 * slot + 1)
                 if length < TILE:
@@ -195,19 +187,19 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                     keys = None
                 # Unrolled: an asynchronous product's handle cannot cross a loop iteration (GROUP <= _MAX_GROUP).
                 # The next head's Q K^T runs while this head's softmax does.
-                q, q_slot = _q_ready(q_smem, bars, done * GROUP, Q_READY, Q_SLOTS, C)
+                q, q_slot = _q_ready(q_smem, q_ready, done * GROUP, Q_SLOTS, C)
                 s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 for g in gl.static_range(GROUP):
                     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                    mbarrier.arrive(bars.index(Q_EMPTY + q_slot))
+                    mbarrier.arrive(q_empty.index(q_slot))
                     if g + 1 < GROUP:
-                        q, q_slot = _q_ready(q_smem, bars, done * GROUP + g + 1, Q_READY, Q_SLOTS, C)
+                        q, q_slot = _q_ready(q_smem, q_ready, done * GROUP + g + 1, Q_SLOTS, C)
                         s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     p = softmax_probs(scores, offs_j < length, qk_scale_log2, keys=keys)
                     p = gl.convert_layout(p.to(dtype), p_layout)
                     o = warpgroup_mma(p, v, o_zero, use_acc=False, is_async=True)
                     o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
-                    mbarrier.arrive(bars.index(KV_EMPTY + slot), pred=g == GROUP - 1)
+                    mbarrier.arrive(kv_empty.index(slot), pred=g == GROUP - 1)
                     out = gl.convert_layout(o.to(o_ptr.dtype.element_ty), out_layout)
                     base = o_ptr + start * stride_on + (kv_head * GROUP + g) * D
                     gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :], out,
@@ -227,16 +219,23 @@ def _block_attention_fwd_sm90_kernel(
     dtype: gl.constexpr = q_desc.dtype
     kv_smem = gl.allocate_shared_memory(dtype, [2 * _CONSUMERS * KV_SLOTS, TILE, D], k_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS * Q_SLOTS, TILE, D], q_desc.layout)
-    NUM_BARRIERS: gl.constexpr = 2 * _CONSUMERS * (KV_SLOTS + Q_SLOTS)
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BARRIERS):
-        mbarrier.init(bars.index(i), count=1)
+    # One barrier a slot: landed (the producer's TMA), released (its consumer).
+    kv_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * KV_SLOTS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * KV_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_CONSUMERS * KV_SLOTS):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
+    for i in gl.static_range(_CONSUMERS * Q_SLOTS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
     # Each partition's runtime arguments as one tuple, its constexprs after it (inside a tuple a constexpr would
     # turn into a plain value).
-    work = (kv_smem, q_smem, bars, o_ptr, stride_on, block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
-            num_items, qk_scale_log2)
-    loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, bars, block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs,
-             num_tokens, num_items)
+    work = (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, o_ptr, stride_on, block_seq_ptr, block_cum_ptr,
+            offsets_ptr, num_seqs, num_tokens, num_items, qk_scale_log2)
+    loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr,
+             block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items)
     gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, 0)),
                         (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, 1)),
                         (_producer, (loads, NUM_KV_HEADS, GROUP, BLOCKS, BATCH))],
