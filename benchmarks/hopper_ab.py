@@ -9,9 +9,9 @@ tiles against one block a program.
 Prints, per configuration (bf16, 8 query heads), the pass's time over its memory floor for each variant: ``rule``
 (the dispatcher's choice), ``triton`` (the dispatcher without the Hopper kernels), ``ws`` (the warp-specialised
 forward wherever its kernel runs the call), ``q2`` (the same with two q slots a consumer, not the group's),
-``h1``/``h2``/``h4`` (the non-GQA backward kernel with that many heads a program), ``b1`` (one block a program at 16 and 32 tokens: the forward's Triton kernel on the block, the
-backward's Triton kernels), ``tiles`` (64-row tiles of 16- or 32-token blocks in both passes: the Triton forward,
-the Hopper backward).
+``h1``/``h2``/``h4`` (the non-GQA backward kernel with that many heads a program), ``b1`` (one block a program at
+16 and 32 tokens: the forward's Triton kernel on the block, the backward's Triton kernels), ``tiles`` (64-row tiles
+of 16- or 32-token blocks in both passes: the Triton forward, the Hopper backward).
 """
 
 import argparse
