@@ -49,7 +49,7 @@ CASES = [
 HOPPER = backends.BACKENDS["sm90-gluon"]
 RULE = sm90._heads_per_program
 FORWARD_RULE = sm90_fwd._triton_faster
-SLOTS = sm90_fwd._slots
+Q_SLOTS = sm90_fwd._q_slots
 BLOCKS = tiles.blocks_per_tile
 
 
@@ -59,7 +59,7 @@ def use(variant: str) -> None:
     elif variant in ("ws", "q2"):
         sm90_fwd._triton_faster = lambda call: None
         if variant == "q2":
-            sm90_fwd._slots = lambda *args: (2, 2)
+            sm90_fwd._q_slots = lambda *args: 2
     elif variant in ("b1", "tiles"):  # the Triton forward's packing: the Hopper forward taken out
         backends.BACKENDS["sm90-gluon"] = dataclasses.replace(HOPPER, forward=None)
         if variant == "b1":
@@ -74,7 +74,7 @@ def use(variant: str) -> None:
 def restore() -> None:
     sm90._heads_per_program = RULE
     sm90_fwd._triton_faster = FORWARD_RULE
-    sm90_fwd._slots = SLOTS
+    sm90_fwd._q_slots = Q_SLOTS
     tiles.blocks_per_tile = BLOCKS
     others = {name: b for name, b in backends.BACKENDS.items() if name != "sm90-gluon"}
     backends.BACKENDS.clear()

@@ -16,6 +16,7 @@ from conftest import (
     ON_HOPPER,
     assert_within_2x_pytorch,
     capture_cuda_graph,
+    forward_of,
     make_offsets,
     max_err,
     odd_lengths,
@@ -28,9 +29,7 @@ from conftest import (
 import blockattn
 from blockattn import backends, devices
 from blockattn.backends import AttentionCall
-from blockattn.block_table import build_block_table
 from blockattn.checks import rotate_mask
-from blockattn.ops.in_block import PLAIN
 from blockattn.ops.tiles import ROTATE_ALL
 from blockattn.reference import rotary_reference, snr_db
 
@@ -344,13 +343,6 @@ def test_sm90_backward_blocks_in_tiles(dtype, block_size, head_dim, heads, rotat
     """16- and 32-token blocks, 4 or 2 to a 64-row tile (``tiles.blocks_per_tile``), the forward's Triton tiles
     too: odd lengths, so that tiles hold blocks of several sequences, partial blocks and padding slots."""
     check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
-
-
-def forward_of(backend, q, k, v, offsets, block_size):
-    """A backend's forward launched directly (the warp-specialised Hopper one: the dispatcher gives it part of what
-    it runs)."""
-    table = build_block_table(offsets, q.shape[0], block_size)
-    return backends.BACKENDS[backend].forward(q, k, v, offsets, table, block_size, q.shape[-1] ** -0.5, None, 0, PLAIN)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")

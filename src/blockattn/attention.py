@@ -8,7 +8,11 @@ import torch
 
 from . import checks, custom_ops, devices
 from .block_table import BlockLayout, BlockTable
+from .call_cache import CallCache
 from .ops import fp8
+
+_BLOCK_ATTENTION_CALLS = CallCache(custom_ops.block_attention_replay)
+_QKV_BLOCK_ATTENTION_CALLS = CallCache(custom_ops.qkv_block_attention_replay)
 
 
 def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = checks.DEFAULT_BLOCK_SIZE, *,
@@ -139,6 +143,11 @@ def block_attention(
     host, so they are checked by a device-side assertion that fails the next synchronising call, and the kernels
     never read or write outside ``[0, N)`` even for bad offsets.
     """
+    args = (q, k, v, *_signed(offsets), block_size, scale, sinu_pos, rotate, causal, pos_bias, timestamps, time_bias,
+            time_bucket_width, dropout_p, out_dtype, q_descale, k_descale, v_descale, out_scale)
+    key, replay = _BLOCK_ATTENTION_CALLS.lookup(args)
+    if replay is not None:
+        return replay(args)
     nested = isinstance(q, torch.Tensor) and q.is_nested
     if nested:
         if offsets is not None:
@@ -157,11 +166,12 @@ def block_attention(
                                 time_bias, time_bucket_width, dropout_p, out_dtype, q_descale, k_descale, v_descale,
                                 out_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out = custom_ops.block_attention(q, k, v, offsets, sinu_pos, block_size, scale,
-                                     checks.rotate_bits(rotate, sinu_pos), causal, pos_bias, timestamps, time_bias,
-                                     float(time_bucket_width), float(dropout_p), _dropout_seed(dropout_p, q.device),
-                                     *_table_args(table), q_descale, k_descale, v_descale, out_scale,
-                                     fp8.out_dtype_of(q.dtype, out_dtype), time_buckets)
+    inputs = (q, k, v, offsets, sinu_pos, block_size, scale, checks.rotate_bits(rotate, sinu_pos), causal, pos_bias,
+              timestamps, time_bias, float(time_bucket_width), float(dropout_p), _dropout_seed(dropout_p, q.device),
+              *_table_args(table), q_descale, k_descale, v_descale, out_scale, fp8.out_dtype_of(q.dtype, out_dtype),
+              time_buckets)
+    out = custom_ops.block_attention(*inputs)
+    _BLOCK_ATTENTION_CALLS.learn(key, args, inputs)
     if nested:
         return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)
@@ -219,6 +229,12 @@ def qkv_block_attention(
 
     Returns ``[N, num_heads, D]``. Gradients flow to ``x``, ``w``, ``bias`` and the attention biases.
     """
+    args = (x, w, *_signed(offsets), num_heads, num_kv_heads, sinu_pos, bias, block_size, scale, rotate, causal,
+            pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, x_descale, w_descale, qkv_scale, out_dtype,
+            out_scale)
+    key, replay = _QKV_BLOCK_ATTENTION_CALLS.lookup(args)
+    if replay is not None:  # 16-bit inputs (an fp8 call's q, k, v are no arguments: it is never learned)
+        return replay((*args, _projection(x, w, bias)))
     layout = offsets
     offsets, block_size, table = checks.block_structure(offsets, checks.num_tokens(x), block_size)
     timestamps, time_bucket_width, time_buckets = checks.layout_time_bias(layout, timestamps, time_bias,
@@ -238,9 +254,26 @@ def qkv_block_attention(
         return custom_ops.block_attention(*custom_ops.split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
                                           block_size, scale, rotate, *options, qkv_scale, qkv_scale, qkv_scale,
                                           out_scale, fp8.out_dtype_of(x.dtype, out_dtype), time_buckets)
-    qkv = x @ w if bias is None else torch.addmm(bias, x, w)
-    return custom_ops.qkv_block_attention(qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate,
-                                          *options, time_buckets)
+    qkv = _projection(x, w, bias)
+    inputs = (qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, *options, time_buckets)
+    out = custom_ops.qkv_block_attention(*inputs)
+    _QKV_BLOCK_ATTENTION_CALLS.learn(key, (*args, qkv), inputs)
+    return out
+
+
+def _projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The packed ``qkv`` of 16-bit or fp32 inputs."""
+    return x @ w if bias is None else torch.addmm(bias, x, w)
+
+
+def _signed(offsets) -> tuple:
+    """``offsets`` as it enters a call's signature (``call_cache``): a layout's fields, its table's two tensors among
+    them, else ``offsets`` itself. A layout whose table is no tuple gets an unhashable stand-in: no signature."""
+    if not isinstance(offsets, BlockLayout):
+        return (offsets,)
+    if not isinstance(offsets.table, tuple):
+        return (offsets.offsets, [])
+    return (*offsets[:3], *offsets.table, *offsets[4:])
 
 
 def _table_args(table) -> tuple:

@@ -6,7 +6,8 @@ take a shorter route to the same implementations (:func:`eager_route`): a ``torc
 them directly (or a direct call where nothing needs a gradient, and for the forward-only flash op), since the
 custom op's dispatch and autograd wrapper cost more host time than the kernels of a small batch. The attention ops'
 implementations are :func:`ops.plans.planned`: on a GPU, a repeated call signature replays the recorded
-allocations and launches instead of running the dispatcher and launchers again. Each attention op
+allocations and launches instead of running the dispatcher and launchers again; a repeated public call goes
+straight to that replay (``call_cache``, through :func:`block_attention_replay` and its siblings). Each attention op
 asks ``backends.select`` which backend runs it; the rotary op runs its Triton kernel where
 ``devices.kernels_run_on`` says the kernels run, else PyTorch. The forwards also return the block table they
 built, so that the backwards reuse it instead of building it again.
@@ -21,6 +22,8 @@ tensors for absent biases: an op's outputs cannot be None).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
@@ -32,7 +35,7 @@ from .ops import fp8, in_block, tiles
 from .ops.block_attention_torch import rotary_torch
 from .ops.fp8 import Fp8Scales
 from .ops.in_block import DEFAULT_BUCKET_WIDTH, InBlock
-from .ops.plans import planned
+from .ops.plans import Plan, planned
 from .ops.rotary import rotary_triton
 from .ops.tiles import ROTATE_NONE
 
@@ -198,9 +201,10 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save, inpu
     backward op's outputs with None for absent biases' gradients. ``save(ctx, inputs, table, buckets)`` keeps what
     ``input_grads(ctx, grad_out, backward)`` needs to call ``backward`` (the backward op, or its implementation).
 
-    The Function is applied as ``apply(inputs, *(inputs[i] for i in differentiable))``: the op's inputs as one
-    tuple, and apart the ones that may take a gradient (``differentiable``, the Function's attribute). The others
-    get none; ``autograd.Function.apply`` spends host time on every argument it is given (23 or 18 here otherwise)."""
+    The Function is applied as ``apply(plan, inputs, *(inputs[i] for i in differentiable))``: the plan of
+    ``fwd_impl`` to replay on the inputs (``ops.plans``; None: call ``fwd_impl``), the op's inputs as one tuple, and
+    apart the ones that may take a gradient (``differentiable``, the Function's attribute). The others get none;
+    ``autograd.Function.apply`` spends host time on every argument it is given (23 or 18 here otherwise)."""
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(*output[1:])
         save(ctx, inputs, output[1:3], output[3])
@@ -208,14 +212,14 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save, inpu
     fwd_op.register_autograd(lambda ctx, grad_out, *_table_grads: input_grads(ctx, grad_out, bwd_op),
                              setup_context=setup_context)
 
-    def forward(ctx, inputs, *differentiable_inputs):
-        out, table, buckets = fwd_impl(*inputs)
+    def forward(ctx, plan, inputs, *differentiable_inputs):
+        out, table, buckets = fwd_impl(*inputs) if plan is None else plan(inputs)
         save(ctx, inputs, table, buckets)
         return out
 
     def backward(ctx, grad_out):
         grads = input_grads(ctx, grad_out, bwd_impl)
-        return None, *(grads[i] for i in differentiable)
+        return None, None, *(grads[i] for i in differentiable)
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                    "backward": staticmethod(backward),
@@ -470,10 +474,28 @@ def _attention(op, eager: type[torch.autograd.Function], forward, inputs: tuple)
         # Gradients flow to the Function's differentiable inputs alone: whether autograd records is theirs to say.
         differentiable = [inputs[i] for i in eager.differentiable]
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
-            return eager.apply(inputs, *differentiable)
+            return eager.apply(None, inputs, *differentiable)
         # Nothing to differentiate (inference): the implementation itself, without the Function's bookkeeping.
         return forward(*inputs)[0]
     return op(*inputs)[0]
+
+
+def _replay_of(implementation, eager: type[torch.autograd.Function] | None, inputs: tuple):
+    """What the eager route runs for calls on the signature of ``inputs``, as a function of the op's inputs that
+    replays ``implementation``'s plan for them (through ``eager``, the Function, where a gradient is needed; the
+    output alone for an attention op, all of it for the forward-only flash op): for ``call_cache``. False where the
+    call never replays a plan (not the eager route, a ``NoPlan``), None while the plan is not recorded yet."""
+    if not eager_route(*inputs):
+        return False
+    plan = implementation.plan_of(inputs)
+    if not isinstance(plan, Plan):
+        return None if plan is None else False
+    if eager is None:
+        return plan
+    differentiable = operator.itemgetter(*eager.differentiable)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable(inputs)):
+        return lambda inputs: eager.apply(plan, inputs, *differentiable(inputs))
+    return lambda inputs: plan(inputs)[0]
 
 
 def block_attention(*inputs) -> torch.Tensor:
@@ -481,9 +503,19 @@ def block_attention(*inputs) -> torch.Tensor:
     return _attention(block_attention_fwd, _EagerBlockAttention, _block_attention_forward, inputs)
 
 
+def block_attention_replay(inputs: tuple):
+    """:func:`block_attention`'s replay for ``call_cache`` (:func:`_replay_of`)."""
+    return _replay_of(_block_attention_forward, _EagerBlockAttention, inputs)
+
+
 def qkv_block_attention(*inputs) -> torch.Tensor:
     """``qkv_block_attention_fwd(*inputs)``'s output with autograd: by the eager route where it may run."""
     return _attention(qkv_block_attention_fwd, _EagerQkvBlockAttention, _qkv_block_attention_forward, inputs)
+
+
+def qkv_block_attention_replay(inputs: tuple):
+    """:func:`qkv_block_attention`'s replay for ``call_cache`` (:func:`_replay_of`)."""
+    return _replay_of(_qkv_block_attention_forward, _EagerQkvBlockAttention, inputs)
 
 
 def in_block_pairs(offsets: torch.Tensor, num_tokens: int, block_size: int, causal: bool = False) -> int:
@@ -571,6 +603,11 @@ def flash_attention(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
     if eager_route(*inputs):
         return _flash_attention_fwd(*inputs)
     return flash_attention_fwd(*inputs)
+
+
+def flash_attention_replay(inputs: tuple):
+    """:func:`flash_attention`'s replay for ``call_cache`` (:func:`_replay_of`)."""
+    return _replay_of(_flash_attention_fwd, None, inputs)
 
 
 @flash_attention_fwd.register_fake

@@ -7,7 +7,10 @@ import math
 import torch
 
 from . import checks, custom_ops
+from .call_cache import CallCache
 from .ops import fp8
+
+_CALLS = CallCache(custom_ops.flash_attention_replay)
 
 _DOC_COMMON = """
     Under ``causal``, query ``i`` sees keys ``j <= i`` (``causal_alignment="top_left"``, as
@@ -42,13 +45,20 @@ _DOC_COMMON = """
 def _attend(q, k, v, cu_seqlens, max_seqlens, *, causal, causal_alignment, scale, return_lse, out_dtype, q_descale,
             k_descale, v_descale, variant):
     """Both public functions past their own argument checks: the common checks, then the custom op."""
+    args = (q, k, v, *cu_seqlens, *max_seqlens, causal, causal_alignment, scale, return_lse, out_dtype, q_descale,
+            k_descale, v_descale, variant)
+    key, replay = _CALLS.lookup(args)
+    if replay is not None:
+        out, lse = replay(args)
+        return (out, lse) if return_lse else out
     checks.flash_call(q, k, v, *cu_seqlens, *max_seqlens, causal, causal_alignment, scale, return_lse, out_dtype,
                       q_descale, k_descale, v_descale, variant)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out_dtype = fp8.out_dtype_of(q.dtype, out_dtype) or q.dtype
-    out, lse = custom_ops.flash_attention(q, k, v, *cu_seqlens, *max_seqlens, scale, causal,
-                                          causal_alignment == "bottom_right", out_dtype, q_descale, k_descale,
-                                          v_descale, variant)
+    inputs = (q, k, v, *cu_seqlens, *max_seqlens, scale, causal, causal_alignment == "bottom_right", out_dtype,
+              q_descale, k_descale, v_descale, variant)
+    out, lse = custom_ops.flash_attention(*inputs)
+    _CALLS.learn(key, args, inputs)
     return (out, lse) if return_lse else out
 
 

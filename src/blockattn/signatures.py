@@ -1,7 +1,8 @@
 """Call signatures: a hashable summary of a call's arguments, cheap enough to compute on every call.
 
-Two host-side caches key on one: the call plans (``ops.plans``) replay the launches recorded for a signature, and the
-checks (``checks``) skip the validation that a signature has already passed. Each says what of a tensor its
+Three host-side caches key on one: the call plans (``ops.plans``) replay the launches recorded for a signature, the
+checks (``checks``) skip the validation that a signature has already passed, and the call cache (``call_cache``)
+takes a public call straight to its plan. Each says what of a tensor its
 decisions may depend on (``tensor_key``, an expression of the tensor ``{t}``) and what of the call's context
 (``context``: the current device, grad mode). A signature holds the type of every argument, the ``tensor_key`` of each
 tensor, every other value itself (which must then be hashable), the context, and (``aliases``) which tensor

@@ -9,7 +9,7 @@ kv head) in turn, and
 
 - the producer warp lands each item's k and v tiles, then its query heads' q tiles, by TMA into rings in shared
   memory, each slot as soon as its consumer released it: two k/v slots a consumer, and q slots for the whole group
-  where shared memory holds them (:func:`_slots`);
+  where shared memory holds them (:func:`_q_slots`);
 - two consumer warpgroups take the items in turn (even and odd), so that one's products and softmax run while the
   other's stores drain. For each query head of its item a consumer computes ``S = Q K^T`` (wgmma from shared
   memory; the next head's is issued before this head's softmax), the exact softmax of the whole tile (one tile holds
@@ -45,7 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .. import devices
 from ..block_table import BlockTable
 from . import tiles
-from .block_attention_sm90 import _GL_DTYPES, _angles, _descriptor, _mma_layout, _prepare_tile, _rows_layout
+from .block_attention_sm90 import _GL_DTYPES, _descriptor, _mma_layout, _rows_layout
+from .flash_attention_sm90 import _zero_values_past
 from .gluon_sm90 import tma_load
 from .in_block import InBlock
 from .launch import launch
@@ -55,6 +56,7 @@ _HEAD_DIMS = (32, 64, 128)
 _MAX_GROUP = 8  # query heads a kv head (the consumers' group loop is unrolled)
 _CONSUMERS = gl.constexpr(2)
 _BATCH = 32  # items whose bounds a program loads at once
+_KV_SLOTS = 2  # k/v slots a consumer
 _RING_BYTES = 192 * 1024  # the rings' shared memory
 _CONSUMER_REGS = gl.constexpr(232)
 _PRODUCER_REGS = gl.constexpr(40)
@@ -175,9 +177,9 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                 v = kv_smem.index(2 * slot + 1)
                 if length < TILE:
                     # The values past the tile's end are the next block's (or TMA's zeros): P is 0 there, but 0 * NaN
-                    # is not. (Without ROTATE no angle is loaded: o_ptr stands in for them.)
-                    sin, cos, row_ok = _angles(o_ptr, start, length, 0, 0, TILE, D, 0, D // 2, 0)
-                    _prepare_tile(v, sin, cos, row_ok, 0, True)
+                    # is not.
+                    _zero_values_past(v, 0, length, 0, False)
+                    _zero_values_past(v, 0, length, 1, False)
                     fence_async_shared()
                 if BLOCKS > 2:
                     keys = same_block(offs_i, offs_j, _pick(seconds, i), _pick(thirds, i), _pick(fourths, i))
@@ -242,14 +244,13 @@ def _block_attention_fwd_sm90_kernel(
                        [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
-def _slots(head_dim: int, group: int, element_size: int) -> tuple[int, int]:
-    """``(k/v slots, q slots)`` a consumer: two of each, and q slots for the whole group (up to 8), as many as
-    :data:`_RING_BYTES` holds (the compiler's staging of the outputs takes the rest of the shared memory): the
-    producer waits for a free q slot, and with fewer slots than the group it cannot load the other consumer's next
-    item meanwhile."""
+def _q_slots(head_dim: int, group: int, element_size: int) -> int:
+    """q slots a consumer: the whole group's (up to 8), as many as :data:`_RING_BYTES` holds beside the k/v slots
+    (the compiler's staging of the outputs takes the rest of the shared memory), at least two: the producer waits
+    for a free q slot, and with fewer slots than the group it cannot load the other consumer's next item
+    meanwhile."""
     tile = tiles.TILE_ROWS * head_dim * element_size
-    q_slots = max(2, min(group, _RING_BYTES // (_CONSUMERS * tile) - 4))
-    return 2, q_slots
+    return max(2, min(group, _RING_BYTES // (_CONSUMERS * tile) - 2 * _KV_SLOTS))
 
 
 def why_not(call) -> str | None:
@@ -307,13 +308,12 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     num_items = triton.cdiv(table.num_slots, blocks) * kv_heads
     if num_items == 0:
         return out
-    kv_slots, q_slots = _slots(d, h // kv_heads, q.element_size())
     tile = tiles.TILE_ROWS
     launch(
         _block_attention_fwd_sm90_kernel, (min(num_items, devices.multiprocessors(q.device)),),
         q_desc=_descriptor(q, tile), k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile), o_ptr=out,
         **table.kernel_args(offsets), num_tokens=n, num_items=num_items, qk_scale_log2=scale * LOG2E,
-        stride_on=out.stride(0), NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=kv_slots,
-        Q_SLOTS=q_slots, BATCH=_BATCH, num_warps=4,
+        stride_on=out.stride(0), NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=_KV_SLOTS,
+        Q_SLOTS=_q_slots(d, h // kv_heads, q.element_size()), BATCH=_BATCH, num_warps=4,
     )
     return out

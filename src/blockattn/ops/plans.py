@@ -242,12 +242,12 @@ class Plan:
 
 # The current CUDA device (the index alone: ``torch.cuda.current_device`` costs ~1 µs more); planned calls are on a
 # GPU, so CUDA is initialised.
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 # What the implementation's host-side decisions may depend on: every argument's type, the tensors' shapes, strides,
 # dtypes, devices and 16-byte alignment, which arguments are one tensor, the other values, and the current device
 # (whose stream the kernels go to). A tensor subclass raises ``TypeError``.
 _signature = Signature("({t}.shape, {t}.stride(), {t}.dtype, {t}.get_device(), {t}.data_ptr() & 15)",
-                       _current_device)
+                       current_device)
 
 
 _UNSEEN, _SEEN_ONCE = object(), object()
@@ -259,6 +259,11 @@ def forget() -> None:
     do, a dispatcher table or an allocation, call it first)."""
     for plans in _EVERY_CACHE:
         plans.clear()
+
+
+def forget_with_plans(cache: dict) -> None:
+    """Have :func:`forget` clear ``cache`` too (a cache of what replays plans: ``call_cache``)."""
+    _EVERY_CACHE.append(cache)
 
 
 def planned(fn: Callable) -> Callable:
@@ -289,7 +294,19 @@ def planned(fn: Callable) -> Callable:
         result, plans[key] = _record(fn, args)
         return result
 
+    def plan_of(args: tuple) -> Plan | NoPlan | None:
+        """What ``call(*args)`` replays: its signature's plan, a ``NoPlan`` where it never replays one, or None while
+        none is recorded yet (for a caller that looks the plan up once and replays it itself: ``call_cache``)."""
+        if not (args and type(args[0]) in _TENSORS and args[0].is_cuda) or torch._C._len_torch_dispatch_stack():
+            return NoPlan("not planned")
+        try:
+            plan = plans.get(_signature(args))
+        except TypeError:
+            return NoPlan("no signature")
+        return plan if isinstance(plan, (Plan, NoPlan)) else None
+
     call.plans = plans  # for tests
+    call.plan_of = plan_of
     return call
 
 
