@@ -13,6 +13,8 @@ if not torch.cuda.is_available():
     # Must be set before triton.jit decorates the kernels, i.e. before blockattn is imported.
     os.environ["TRITON_INTERPRET"] = "1"
 
+import math
+
 import pytest
 
 from blockattn import backends, checks, reference
@@ -98,16 +100,16 @@ def run_backend(name, q, k, v, do, offsets, block_size, sinu_pos=None, rotate=0,
     out = (forward_of(name, q, k, v, offsets, block_size, sinu_pos, rotate, in_block, table)
            if backend.forward and forward else None)
     grads = grads or (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
-    bias_grads = backend.backward(do, q, k, v, offsets, table, block_size, q.shape[-1] ** -0.5, sinu_pos, rotate,
-                                  in_block, grads, **options)
+    bias_grads = backend.backward(do, q, k, v, offsets, table, block_size, 1.0 / math.sqrt(q.shape[-1]), sinu_pos,
+                                  rotate, in_block, grads, **options)
     return (out, *grads, *(g for g in bias_grads if g is not None))
 
 
 def forward_of(name, q, k, v, offsets, block_size, sinu_pos=None, rotate=0, in_block=PLAIN, table=None):
     """One backend's forward launcher (``backends.BACKENDS[name]``), bypassing the dispatcher."""
     table = build_block_table(offsets, q.shape[0], block_size) if table is None else table
-    return backends.BACKENDS[name].forward(q, k, v, offsets, table, block_size, q.shape[-1] ** -0.5, sinu_pos, rotate,
-                                           in_block)
+    return backends.BACKENDS[name].forward(q, k, v, offsets, table, block_size, 1.0 / math.sqrt(q.shape[-1]),
+                                           sinu_pos, rotate, in_block)
 
 
 def run_kernels(q, k, v, do, offsets, block_size, sinu_pos=None, rotate=0, **options):

@@ -244,3 +244,26 @@ def test_gpu_calls_with_dropout_always_run_the_slow_way(monkeypatch):
     outs = [blockattn.block_attention(q, q, q, offsets, dropout_p=0.5) for _ in range(5)]
     assert slow[0] == 5 and not torch.equal(outs[3], outs[4])
     assert list(attention._BLOCK_ATTENTION_CALLS.calls.values()) == [call_cache._SLOW]
+
+
+@requires_gpu
+def test_gpu_the_packed_projection_under_autocast_takes_the_slow_way(monkeypatch):
+    """The projection runs before the op, in the dtype autocast picks: a call learned without autocast must not
+    replay its bf16 plan on the fp16 projection autocast makes of the same bf16 inputs."""
+    n, offsets, _ = _packed(2, 130, 4, 2, 64)
+    layout = blockattn.block_layout(offsets, n)
+    x = torch.randn(n, 96, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(96, (4 + 2 * 2) * 64, device="cuda", dtype=torch.bfloat16) * 0.1
+    slow = _counting(monkeypatch, custom_ops, "qkv_block_attention")
+
+    def call():
+        return blockattn.qkv_block_attention(x, w, layout, num_heads=4, num_kv_heads=2)
+    for _ in range(3):
+        call()
+    assert slow[0] == 2
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = call()
+        assert slow[0] == 3 and got.dtype == torch.float16
+        plans.forget()
+        want = call()
+    assert torch.equal(got, want)

@@ -12,7 +12,7 @@ from .call_cache import CallCache
 from .ops import fp8
 
 _BLOCK_ATTENTION_CALLS = CallCache(custom_ops.block_attention_replay)
-_QKV_BLOCK_ATTENTION_CALLS = CallCache(custom_ops.qkv_block_attention_replay)
+_QKV_BLOCK_ATTENTION_CALLS = CallCache(custom_ops.qkv_block_attention_replay, autocast=True)
 
 
 def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = checks.DEFAULT_BLOCK_SIZE, *,
@@ -233,7 +233,7 @@ def qkv_block_attention(
             pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, x_descale, w_descale, qkv_scale, out_dtype,
             out_scale)
     key, replay = _QKV_BLOCK_ATTENTION_CALLS.lookup(args)
-    if replay is not None:  # 16-bit inputs (an fp8 call's q, k, v are no arguments: it is never learned)
+    if replay is not None:  # not fp8: its q, k, v are no arguments, so such a call is never learned
         return replay((*args, _projection(x, w, bias)))
     layout = offsets
     offsets, block_size, table = checks.block_structure(offsets, checks.num_tokens(x), block_size)
@@ -262,7 +262,7 @@ def qkv_block_attention(
 
 
 def _projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The packed ``qkv`` of 16-bit or fp32 inputs."""
+    """The packed ``qkv`` of 16-bit or fp32 inputs (in the dtype CUDA autocast picks, where it is on)."""
     return x @ w if bias is None else torch.addmm(bias, x, w)
 
 

@@ -9,15 +9,19 @@ the same branch, and the op's implementation replays the same plan (``ops.plans`
 the op's inputs. A small eager forward spent more host time on those steps than on its plan's replay.
 
 :class:`CallCache` keeps, per signature of a public call's arguments, a function that builds the op's inputs out of
-the arguments, and the op's replay on them (``custom_ops.replay_of``). A call whose signature is there computes one
-signature and runs the replay. Its signature holds everything both earlier ones held (each tensor's shape, strides,
-dtype, device, 16-byte alignment and ``requires_grad``, which arguments are one tensor, the other values, grad mode
-and the current device), so a hit is a call the checks passed and the plan was recorded for. The cache learns a
-signature after a call that ran the slow way and whose op's inputs are all arguments of the call or values (a
-dropout seed, drawn per call, is neither: such calls always run the slow way), once the op's implementation has a
-plan for them (after the second call of a signature, which records it). Nothing is cached while ``torch.compile`` traces, under a
-dispatch mode or functorch transform, or for a tensor subclass (a nested tensor among them), off CUDA, or for an
-argument without a signature (an unhashable value); :func:`checks.forget` and :func:`ops.plans.forget` forget it.
+the arguments, and the op's replay on them (``custom_ops.block_attention_replay`` and its siblings). A call whose
+signature is there computes one signature and runs the replay. Its signature holds everything both earlier ones
+held (each tensor's shape, strides, dtype, device, 16-byte alignment and ``requires_grad``, which arguments are one
+tensor, the other values, grad mode and the current device), so a hit is a call the checks passed and the plan was
+recorded for. A public function that computes a tensor before its op (``qkv_block_attention``'s projection, whose
+dtype CUDA autocast decides) passes it after its arguments, and its cache's signature holds the autocast state too.
+
+The cache learns a signature after a call that ran the slow way and whose op's inputs are all arguments of the call
+(or such computed tensors) or values, once the op's implementation has a plan for them (after the second call of a
+signature, which records it). A dropout seed, drawn per call, is neither: such calls always run the slow way.
+Nothing is cached while ``torch.compile`` traces, under a dispatch mode or functorch transform, for a tensor
+subclass (a nested tensor among them), off CUDA, or for an argument without a signature (an unhashable value);
+:func:`checks.forget` and :func:`ops.plans.forget` forget it.
 """
 
 from __future__ import annotations
@@ -33,9 +37,14 @@ from .signatures import TENSORS, Signature
 
 MAX_CALLS = 256
 # The checks' signature (shape, dtype, device, requires_grad, grad mode) and the plans' (strides, 16-byte
-# alignment, aliases, the current device) in one.
-_SIGNATURE = Signature("({t}.shape, {t}.stride(), {t}.dtype, {t}.device, {t}.data_ptr() & 15, {t}.requires_grad)",
-                       lambda: (torch.is_grad_enabled(), plans.current_device()))
+# alignment, aliases, the current device) in one; for a cache with ``autocast``, also the dtype CUDA autocast
+# computes in (False where it is off).
+_TENSOR_KEY = "({t}.shape, {t}.stride(), {t}.dtype, {t}.device, {t}.data_ptr() & 15, {t}.requires_grad)"
+_SIGNATURES = {
+    False: Signature(_TENSOR_KEY, lambda: (torch.is_grad_enabled(), plans.current_device())),
+    True: Signature(_TENSOR_KEY, lambda: (torch.is_grad_enabled(), plans.current_device(),
+                                          torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))),
+}
 # A signature whose calls always run the slow way.
 _SLOW = object()
 
@@ -43,10 +52,12 @@ _SLOW = object()
 class CallCache:
     """One public function's repeated calls (the module's docstring). ``replay_of(inputs)`` is what its op runs for
     calls on the signature of ``inputs``: a function of the op's inputs, False where such calls never replay a plan,
-    or None while they cannot yet (``custom_ops.block_attention_replay`` and its siblings)."""
+    or None while they cannot yet (``custom_ops.block_attention_replay`` and its siblings). ``autocast``: the
+    function computes a tensor before its op whose dtype follows CUDA autocast."""
 
-    def __init__(self, replay_of: Callable[[tuple], Callable[[tuple], object] | bool | None]):
+    def __init__(self, replay_of: Callable[[tuple], Callable[[tuple], object] | bool | None], autocast: bool = False):
         self.replay_of = replay_of
+        self.signature = _SIGNATURES[autocast]
         self.calls: OrderedDict = OrderedDict()  # oldest learned first
         checks.forget_with_checks(self.calls)
         plans.forget_with_plans(self.calls)
@@ -59,7 +70,7 @@ class CallCache:
                 or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()):
             return None, None
         try:
-            key = _SIGNATURE(args)
+            key = self.signature(args)
             replay = self.calls.get(key)
         except TypeError:  # a tensor subclass, an unhashable value
             return None, None

@@ -274,8 +274,7 @@ def planned(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if (kwargs or not (args and type(args[0]) in _TENSORS and args[0].is_cuda)
-                or torch._C._len_torch_dispatch_stack()):
+        if kwargs or not _plannable(args):
             return fn(*args, **kwargs)
         try:
             key = _signature(args)
@@ -297,7 +296,7 @@ def planned(fn: Callable) -> Callable:
     def plan_of(args: tuple) -> Plan | NoPlan | None:
         """What ``call(*args)`` replays: its signature's plan, a ``NoPlan`` where it never replays one, or None while
         none is recorded yet (for a caller that looks the plan up once and replays it itself: ``call_cache``)."""
-        if not (args and type(args[0]) in _TENSORS and args[0].is_cuda) or torch._C._len_torch_dispatch_stack():
+        if not _plannable(args):
             return NoPlan("not planned")
         try:
             plan = plans.get(_signature(args))
@@ -308,6 +307,11 @@ def planned(fn: Callable) -> Callable:
     call.plans = plans  # for tests
     call.plan_of = plan_of
     return call
+
+
+def _plannable(args: tuple) -> bool:
+    """Whether a call on ``args`` may replay a plan: on a GPU, while no dispatch mode watches its ATen ops."""
+    return bool(args) and type(args[0]) in _TENSORS and args[0].is_cuda and not torch._C._len_torch_dispatch_stack()
 
 
 def _record(fn: Callable, args: tuple):
