@@ -8,6 +8,8 @@ metadata differ must take the slow way again (its checks included)."""
 import pytest
 import torch
 from conftest import requires_gpu
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import blockattn
 from blockattn import attention, call_cache, checks, custom_ops, flash
@@ -29,6 +31,30 @@ def test_a_learned_call_binds_its_arguments_to_the_op_inputs_and_replays():
     assert calls["key"]((c, d, c, 3, None)) == "replayed"
     got = seen[0]
     assert got[0] is d and got[1] is c and got[2:5] == (7.0, None, "x") and got[5] is c
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.data())
+def test_the_binder_puts_each_tensor_where_the_learned_call_had_it(data):
+    """Arguments of tensors (some passed twice) and values; op inputs drawn from them in any order, with constants:
+    the binder, applied to new arguments of the same pattern, gives each input position the new tensor."""
+    num_tensors = data.draw(st.integers(1, 4))
+    tensor_refs = st.tuples(st.just("tensor"), st.integers(0, num_tensors - 1))
+    pattern = data.draw(st.lists(st.one_of(tensor_refs, st.sampled_from([None, 3, 0.5, "x"])), min_size=1,
+                                 max_size=8))
+    passed = sorted({p for p in pattern if type(p) is tuple})
+    picks = data.draw(st.lists(st.one_of(st.sampled_from(passed) if passed else st.nothing(),
+                                         st.sampled_from([None, 7.0, True, "y"])), max_size=8))
+
+    def realised(refs, tensors):
+        return tuple(tensors[p[1]] if type(p) is tuple else p for p in refs)
+    tensors = [torch.randn(2) for _ in range(num_tensors)]
+    bind = call_cache._binder(call_cache._sources(realised(pattern, tensors), realised(picks, tensors)))
+    fresh = [torch.randn(2) for _ in range(num_tensors)]
+    got = bind(realised(pattern, fresh))
+    assert len(got) == len(picks)
+    for value, p in zip(got, picks):
+        assert value is fresh[p[1]] if type(p) is tuple else (value == p and type(value) is type(p))
 
 
 def test_a_call_whose_op_takes_a_tensor_it_was_not_given_always_runs_the_slow_way():
