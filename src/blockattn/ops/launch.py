@@ -301,9 +301,10 @@ _INTERLEAVE_NONE, _L2_PROMOTION_128B, _OOB_FILL_NONE, _OOB_FILL_NAN = 0, 2, 0, 1
 
 
 class _TensorMap:
-    """A host tensor descriptor's ``CUtensorMap`` in a direct launch's parameters, encoded at each launch on its
-    tensor's address with the recorded shape, strides, block, swizzle and dtype (``cuTensorMapEncodeTiled``, as
-    Triton's launcher does). :meth:`of` checks, once, that it encodes the bytes Triton's own encoder writes."""
+    """A host tensor descriptor's ``CUtensorMap`` in a direct launch's parameters, made at each launch for its
+    tensor's address (:meth:`encode`: ``cuTensorMapEncodeTiled`` with the recorded shape, strides, block, swizzle and
+    dtype, as Triton's launcher does, unless that address was encoded before). :meth:`of` checks, once, that it
+    encodes the bytes Triton's own encoder writes."""
 
     def __init__(self, slot: int, dtype: int, shape, strides_bytes, block, swizzle: int, fill: int):
         self.slot = slot
