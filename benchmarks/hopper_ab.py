@@ -5,8 +5,9 @@ tiles against one block a program.
 
     python benchmarks/hopper_ab.py                  # --rep-ms 10
     python benchmarks/hopper_ab.py --pass fwd       # the forward's cases alone
+    python benchmarks/hopper_ab.py --dtype float8_e4m3fn --head-dim 128  # fp8 inputs: the forward kernels' cases
 
-Prints, per configuration (bf16, 8 query heads), the pass's time over its memory floor for each variant: ``rule``
+Prints, per configuration (bf16 unless ``--dtype``, 8 query heads), the pass's time over its memory floor for each variant: ``rule``
 (the dispatcher's choice), ``triton`` (the dispatcher without the Hopper kernels), ``ws`` (the warp-specialised
 forward wherever its kernel runs the call), ``q2`` (the same with two q slots a consumer, not the group's),
 ``h1``/``h2``/``h4`` (the non-GQA backward kernel with that many heads a program), ``b1`` (one block a program at
@@ -85,13 +86,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rep-ms", type=int, default=10)
     parser.add_argument("--pass", dest="pass_name", choices=("fwd", "bwd"), help="the cases of one pass alone")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", sweep.FP8), default="bfloat16",
+                        help="the inputs' dtype (fp8: the warp-specialised forward against the Triton one alone)")
+    parser.add_argument("--head-dim", type=int, help="the cases of one head dim alone")
     args = parser.parse_args()
     tbps = harness.copy_bandwidth_tbps(args.rep_ms)
     print(f"{harness.environment()['device']}; copy bandwidth {tbps:.2f} TB/s", flush=True)
     for (block_size, head_dim, kv_heads, rotary), pass_name, variants in CASES:
-        if args.pass_name not in (None, pass_name):
+        if (args.pass_name not in (None, pass_name) or args.head_dim not in (None, head_dim)
+                or (args.dtype == sweep.FP8 and "ws" not in variants)):
             continue
-        config = sweep.Config(block_size, head_dim, kv_heads, "bfloat16", rotary)
+        config = sweep.Config(block_size, head_dim, kv_heads, args.dtype, rotary)
         cells = []
         for variant in variants:
             use(variant)
@@ -104,7 +109,8 @@ def main() -> None:
             finally:
                 restore()
                 harness.free_memory()
-        print(f"{pass_name} BS {block_size} D {head_dim} 8:{kv_heads} {rotary}: " + " | ".join(cells), flush=True)
+        print(f"{pass_name} {args.dtype} BS {block_size} D {head_dim} 8:{kv_heads} {rotary}: " + " | ".join(cells),
+              flush=True)
 
 
 if __name__ == "__main__":

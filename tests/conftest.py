@@ -105,11 +105,20 @@ def run_backend(name, q, k, v, do, offsets, block_size, sinu_pos=None, rotate=0,
     return (out, *grads, *(g for g in bias_grads if g is not None))
 
 
-def forward_of(name, q, k, v, offsets, block_size, sinu_pos=None, rotate=0, in_block=PLAIN, table=None):
+def uniform_batch(num_seqs, length, head_dim, dtype=torch.bfloat16):
+    """``(n, offsets, randn)`` of ``num_seqs`` sequences of ``length`` tokens on the GPU; ``randn(h)``: a random
+    ``[n, h, head_dim]`` tensor."""
+    n = num_seqs * length
+    offsets = torch.arange(0, n + 1, length, device="cuda")
+    return n, offsets, lambda h: torch.randn(n, h, head_dim, device="cuda", dtype=dtype)
+
+
+def forward_of(name, q, k, v, offsets, block_size, sinu_pos=None, rotate=0, in_block=PLAIN, table=None,
+               fp8_scales=None):
     """One backend's forward launcher (``backends.BACKENDS[name]``), bypassing the dispatcher."""
     table = build_block_table(offsets, q.shape[0], block_size) if table is None else table
     return backends.BACKENDS[name].forward(q, k, v, offsets, table, block_size, 1.0 / math.sqrt(q.shape[-1]),
-                                           sinu_pos, rotate, in_block)
+                                           sinu_pos, rotate, in_block, fp8_scales)
 
 
 def run_kernels(q, k, v, do, offsets, block_size, sinu_pos=None, rotate=0, **options):

@@ -3,9 +3,11 @@ the real ones on a GPU) and the PyTorch path against the float64 reference on th
 
 import pytest
 import torch
-from conftest import HAS_GPU, KERNEL_DEVICE, make_offsets, odd_lengths, requires_gpu
+from conftest import HAS_GPU, KERNEL_DEVICE, ON_HOPPER, forward_of, make_offsets, odd_lengths, requires_gpu
 
 import blockattn
+from blockattn import backends
+from blockattn.backends import AttentionCall
 from blockattn.block_table import build_block_table
 from blockattn.ops import block_attention as triton_ops
 from blockattn.ops import fp8
@@ -48,6 +50,29 @@ def test_kernel_matches_dequantised_reference(out_dtype, block_size, hq, hkv, po
     table = build_block_table(offsets, q.shape[0], block_size)
     out = triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, block_size, 32**-0.5, None, 0, PLAIN,
                                                 fp8.Fp8Scales(*scales, out_dtype, out_scale))
+    assert out.dtype == out_dtype and out.shape == q.shape
+    assert not out.float().isnan().any()  # every element written (outputs start as NaN)
+    ref = block_attention_reference(*exact, offsets, block_size=block_size)
+    assert snr_db(as_float64(out, out_scale), ref) > MIN_SNR_DB[out_dtype]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32, FP8])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("hq,hkv", [(3, 3), (4, 2), (8, 1), (8, 4)])
+def test_sm90_forward(hq, hkv, head_dim, block_size, out_dtype, poisoned_outputs):
+    """The warp-specialised Hopper forward on fp8 inputs (its q k^T on fp8 tensor cores, the values widened to fp16
+    in shared memory), on odd lengths and more, every group it takes, every output dtype: the bounds of the Triton
+    forward."""
+    lengths = odd_lengths(block_size) + torch.randint(0, 300, (4,)).tolist()
+    offsets = make_offsets(lengths, "cuda")
+    (q, k, v), scales, exact = quantized_inputs(lengths, hq, hkv, head_dim, "cuda")
+    out_scale = out_scale_for(out_dtype, "cuda")
+    call = AttentionCall.of("fwd", q, k, block_size, 0, 0, tensors=(q, k, v))
+    assert backends.sm90_fwd_ops.kernel_reason(call) is None
+    out = forward_of("sm90-gluon", q, k, v, offsets, block_size,
+                     fp8_scales=fp8.Fp8Scales(*scales, out_dtype, out_scale))
     assert out.dtype == out_dtype and out.shape == q.shape
     assert not out.float().isnan().any()  # every element written (outputs start as NaN)
     ref = block_attention_reference(*exact, offsets, block_size=block_size)
@@ -232,7 +257,9 @@ def test_gpu_compile_and_cuda_graph():
 
     lengths = odd_lengths(64) + [300]
     offsets = make_offsets(lengths, "cuda")
-    (q, k, v), scales, exact = quantized_inputs(lengths, 4, 2, 128, "cuda")
+    (q, k, v), scales, exact = quantized_inputs(lengths, 8, 2, 128, "cuda")
+    if ON_HOPPER:  # the warp-specialised forward's (the dispatcher's rule)
+        assert backends.select(AttentionCall.of("fwd", q, k, 64, 0, 0, tensors=(q, k, v))).name == "sm90-gluon"
 
     def run():
         return blockattn.block_attention(q, k, v, offsets, q_descale=scales[0], k_descale=scales[1],
@@ -273,21 +300,24 @@ def quantized_projection(n, d_model, hq, hkv, d, device, column_major=True):
     return x8, w8, bias, x_descale, w_descale, qkv_scale, exact
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_GPU else []))
+@pytest.mark.parametrize("device,heads", [("cpu", (4, 2, 32))] + ([("cuda", (4, 2, 32)), ("cuda", (8, 2, 128))]
+                                                                   if HAS_GPU else []),
+                         ids=lambda v: v if isinstance(v, str) else "{}:{} D {}".format(*v))
 @pytest.mark.parametrize("w_layout", ["column-major", "row-major"])
 @pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, True), (FP8, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
-def test_qkv_block_attention_fp8(device, w_layout, out_dtype, with_bias, rotary):
+def test_qkv_block_attention_fp8(device, heads, w_layout, out_dtype, with_bias, rotary):
     """The projection's fp8 matmul (on a GPU with a column-major ``w``) or its float32 path, with and without a
-    bias, then the fp8 attention (GQA, a fused rotary): against the reference of the unquantised projection, and
-    against block attention of the projection quantised in float64."""
+    bias, then the fp8 attention (GQA, a fused rotary; on Hopper the warp-specialised forward reads the plain
+    8:2 D = 128 case's q, k, v out of the packed projection): against the reference of the unquantised projection,
+    and against block attention of the projection quantised in float64."""
     from conftest import random_angles
 
     from blockattn.reference import rotary_reference
 
     torch.manual_seed(0)
     lengths = odd_lengths(32) + [100]
-    hq, hkv, d, n = 4, 2, 32, sum(lengths)
+    (hq, hkv, d), n = heads, sum(lengths)
     offsets = make_offsets(lengths, device)
     x8, w8, bias, x_descale, w_descale, qkv_scale, exact = quantized_projection(
         n, 64, hq, hkv, d, device, column_major=w_layout == "column-major")

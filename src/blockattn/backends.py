@@ -146,8 +146,8 @@ BACKENDS: dict[str, Backend] = {
                 "at D = 32 to 256 but for the rotary without GQA from D = 4 x block size; with or without GQA, "
                 "fp16/bf16, plain or rotary; the in-block options at 64-token blocks up to D = 128, under GQA not both "
                 "biases together). Forward: warp-specialised and persistent, a TMA producer warp and two consumer "
-                "warpgroups (64-row tiles, D = 32 to 128, fp16/bf16, plain; where it measured faster than the Triton "
-                "forward)", _sm90_why_not,
+                "warpgroups (64-row tiles, D = 32 to 128, fp16/bf16/fp8, plain; where it measured faster than the "
+                "Triton forward)", _sm90_why_not,
                 forward=None if sm90_fwd_ops is None else sm90_fwd_ops.block_attention_fwd_sm90,
                 backward=None if sm90_ops is None else sm90_ops.block_attention_bwd_sm90),
         Backend("triton", "Triton kernels, every supported shape, NVIDIA GPUs from Ampere on (the float8 forward "

@@ -99,6 +99,8 @@ from .tiles import (
 # The head dims each block size takes (see why_not).
 _HEAD_DIMS = {64: (32, 64, 128, 256), 128: (32, 64, 128)}
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+# What tiles TMA lands: the forward's fp8 inputs too.
+_TILE_GL_DTYPES = {**_GL_DTYPES, torch.float8_e4m3fn: gl.float8e4nv}
 # The dropout's Philox calls, [BS, BS / 4] (four words each, interleaved along the keys): rows over 8 lanes and
 # the 4 warps, 4 calls a thread along the row (in_block.dropout_factors).
 _CALLS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
@@ -700,7 +702,7 @@ def why_not(call) -> str | None:
 
 @functools.cache
 def _tile_layout(block_size: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([block_size, head_dim], _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([block_size, head_dim], _TILE_GL_DTYPES[dtype])
 
 
 def _descriptor(t: torch.Tensor, block_size: int) -> TensorDescriptor:

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .. import devices
 from ..block_table import BlockTable
-from . import tiles
+from . import fp8, tiles
 from .block_attention_sm90 import _GL_DTYPES, _descriptor, _mma_layout, _rows_layout
 from .flash_attention_sm90 import _zero_values_past
 from .gluon_sm90 import tma_load
@@ -57,6 +57,7 @@ _MAX_GROUP = 8  # query heads a kv head (the consumers' group loop is unrolled)
 _CONSUMERS = gl.constexpr(2)
 _BATCH = 32  # items whose bounds a program loads at once
 _KV_SLOTS = 2  # k/v slots a consumer
+_FP8_MAX = gl.constexpr(fp8.FP8_MAX)
 _RING_BYTES = 192 * 1024  # the rings' shared memory
 _CONSUMER_REGS = gl.constexpr(232)
 _PRODUCER_REGS = gl.constexpr(40)
@@ -135,18 +136,24 @@ def _q_ready(q_smem, q_ready, qn, Q_SLOTS: gl.constexpr, C: gl.constexpr):
 
 @gluon.jit
 def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr,
-              C: gl.constexpr):
+              FP8: gl.constexpr, FP8_OUT: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup ``C``: the items ``j`` of this program with ``j % _CONSUMERS == C``, every query head of
     each; the next head's ``Q K^T`` runs while this one's softmax does."""
     (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, o_ptr, stride_on, block_seq_ptr, block_cum_ptr, offsets_ptr,
-     num_seqs, num_tokens, num_items, qk_scale_log2) = work
+     num_seqs, num_tokens, num_items, qk_scale_log2, v16_smem, q_descale_ptr, k_descale_ptr, v_descale_ptr,
+     out_scale_ptr) = work
     TILE: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     KV_SLOTS: gl.constexpr = kv_smem.shape[0] // (2 * _CONSUMERS)
     Q_SLOTS: gl.constexpr = q_smem.shape[0] // _CONSUMERS
-    s_layout: gl.constexpr = _mma_layout(TILE, TILE, 4)
+    # fp8 scores come from fp8 products (32 deep an instruction); the values are widened to fp16 in shared memory
+    # (P V's second operand must be K-major at 8 bits, which a row-major value tile is not).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, TILE, 32 if FP8 else 16])
     o_layout: gl.constexpr = _mma_layout(TILE, D, 4)
+    pv_dtype: gl.constexpr = gl.float16 if FP8 else dtype
+    widen_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // D, D // 16], [4, 1], [1, 0])
     # 16-bit P stays in registers as the second product's first operand: the score accumulator's layout is that
     # operand's (no data moves).
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -159,6 +166,11 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, out_layout))
     s_zero = gl.zeros([TILE, TILE], gl.float32, s_layout)
     o_zero = gl.zeros([TILE, D], gl.float32, o_layout)
+    if FP8:
+        qk_scale_log2 = qk_scale_log2 * gl.load(q_descale_ptr) * gl.load(k_descale_ptr)
+        out_factor = gl.load(v_descale_ptr)
+        if FP8_OUT:
+            out_factor = out_factor / gl.load(out_scale_ptr)
     count = (num_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
     done = 0
     for first in range(0, count, BATCH):
@@ -175,7 +187,14 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                 mbarrier.wait(kv_ready.index(slot), (done // KV_SLOTS) & 1)
                 k = kv_smem.index(2 * slot)
                 v = kv_smem.index(2 * slot + 1)
-                if length < TILE:
+                if FP8:
+                    # Widened (exactly) into this consumer's fp16 tile, the rows past the tile's end zeroed.
+                    values = v.load(widen_layout)
+                    value_rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, widen_layout))
+                    v = v16_smem.index(C)
+                    v.store(gl.where((value_rows < length)[:, None], values.to(gl.float16), 0.0))
+                    fence_async_shared()
+                elif length < TILE:
                     # The values past the tile's end are the next block's (or TMA's zeros): P is 0 there, but 0 * NaN
                     # is not.
                     _zero_values_past(v, 0, length, 0, False)
@@ -198,10 +217,14 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                         q, q_slot = _q_ready(q_smem, q_ready, done * GROUP + g + 1, Q_SLOTS, C)
                         s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     p = softmax_probs(scores, offs_j < length, qk_scale_log2, keys=keys)
-                    p = gl.convert_layout(p.to(dtype), p_layout)
+                    p = gl.convert_layout(p.to(pv_dtype), p_layout)
                     o = warpgroup_mma(p, v, o_zero, use_acc=False, is_async=True)
                     o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
                     mbarrier.arrive(kv_empty.index(slot), pred=g == GROUP - 1)
+                    if FP8:
+                        o = o * out_factor
+                        if FP8_OUT:  # saturated: e4m3fn has no infinity
+                            o = gl.minimum(gl.maximum(o, -_FP8_MAX), _FP8_MAX)
                     out = gl.convert_layout(o.to(o_ptr.dtype.element_ty), out_layout)
                     base = o_ptr + start * stride_on + (kv_head * GROUP + g) * D
                     gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :], out,
@@ -212,15 +235,21 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
 @gluon.jit
 def _block_attention_fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_ptr, block_seq_ptr, block_cum_ptr, offsets_ptr,
-    num_seqs, num_tokens, num_items, qk_scale_log2, stride_on,
+    num_seqs, num_tokens, num_items, qk_scale_log2, stride_on, q_descale_ptr, k_descale_ptr, v_descale_ptr,
+    out_scale_ptr,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, KV_SLOTS: gl.constexpr,
-    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr,
+    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr, FP8: gl.constexpr, FP8_OUT: gl.constexpr,
 ):
     TILE: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     kv_smem = gl.allocate_shared_memory(dtype, [2 * _CONSUMERS * KV_SLOTS, TILE, D], k_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS * Q_SLOTS, TILE, D], q_desc.layout)
+    if FP8:  # each consumer's values widened to fp16
+        v16_smem = gl.allocate_shared_memory(gl.float16, [_CONSUMERS, TILE, D],
+                                             gl.NVMMASharedLayout.get_default_for([TILE, D], gl.float16))
+    else:  # a stand-in, never read
+        v16_smem = kv_smem
     # One barrier a slot: landed (the producer's TMA), released (its consumer).
     kv_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * KV_SLOTS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * KV_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -235,22 +264,24 @@ def _block_attention_fwd_sm90_kernel(
     # Each partition's runtime arguments as one tuple, its constexprs after it (inside a tuple a constexpr would
     # turn into a plain value).
     work = (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, o_ptr, stride_on, block_seq_ptr, block_cum_ptr,
-            offsets_ptr, num_seqs, num_tokens, num_items, qk_scale_log2)
+            offsets_ptr, num_seqs, num_tokens, num_items, qk_scale_log2, v16_smem, q_descale_ptr, k_descale_ptr,
+            v_descale_ptr, out_scale_ptr)
     loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr,
              block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items)
-    gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, 0)),
-                        (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, 1)),
+    gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, FP8_OUT, 0)),
+                        (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, FP8_OUT, 1)),
                         (_producer, (loads, NUM_KV_HEADS, GROUP, BLOCKS, BATCH))],
                        [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 def _q_slots(head_dim: int, group: int, element_size: int) -> int:
     """q slots a consumer: the whole group's (up to 8), as many as :data:`_RING_BYTES` holds beside the k/v slots
-    (the compiler's staging of the outputs takes the rest of the shared memory), at least two: the producer waits
+    (and, for fp8, the consumers' values widened to 16 bits; the compiler's staging of the outputs takes the rest of the shared memory), at least two: the producer waits
     for a free q slot, and with fewer slots than the group it cannot load the other consumer's next item
     meanwhile."""
     tile = tiles.TILE_ROWS * head_dim * element_size
-    return max(2, min(group, _RING_BYTES // (_CONSUMERS * tile) - 2 * _KV_SLOTS))
+    ring = _RING_BYTES - (_CONSUMERS * tiles.TILE_ROWS * head_dim * 2 if element_size == 1 else 0)
+    return max(2, min(group, ring // (_CONSUMERS * tile) - 2 * _KV_SLOTS))
 
 
 def why_not(call) -> str | None:
@@ -269,9 +300,19 @@ def _triton_faster(call) -> str | None:
     its tiles of several blocks let a NaN in v reach the tile's other blocks, where the Triton forward, one block a
     program without GQA, keeps it in its own), at 8 query heads a kv head (1.13-1.49x against 1.31-2.67x), at 4 with
     D = 64 (1.12-1.24x against 1.16-1.30x) and at D = 32 (1.27-1.87x against 1.41-2.67x, a tie at 16-token blocks
-    without GQA), where two consumers' chains of products, softmax and stores cannot keep up with the loads. Measured
-    on an H200 only (no H100 was lent)."""
+    without GQA), where two consumers' chains of products, softmax and stores cannot keep up with the loads. fp8
+    (half the bytes a score: the loads keep up more easily) runs here at D = 128 with 4 query heads a kv head, 2 at
+    16- and 32-token blocks and 1 at 64 (H200, 2026-11-28, Triton -> this kernel: 8:4 1.36 -> 1.23x, 1.74 -> 1.44x,
+    1.77 -> 1.53x at 64-, 32- and 16-token blocks; 8:2 1.64 -> 1.40x, 1.72 -> 1.56x at 32 and 16; 8:8 1.30 ->
+    1.20x at 64); the Triton forward keeps fp8 8:2 at 64-token blocks (a tie, 1.30x), 8:8 at 16 and 32 (a tie, and
+    the NaN exception above), 8:1 (1.29-1.63x against 2.57-3.20x) and D = 64 and 32 (D = 64: 1.40-1.92x against
+    1.51-2.86x). Measured on an H200 only (no H100 was lent)."""
     group = call.num_heads // call.num_kv_heads
+    if call.dtype == fp8.FP8_DTYPE:
+        if call.head_dim == 128 and (group == 4 or (group == 2 and call.block_size < 64)
+                                     or (group == 1 and call.block_size == 64)):
+            return None
+        return "the Triton forward measured faster for fp8 at this head dim, GQA group and block size"
     if call.head_dim == 128 and 2 <= group <= 4:
         return None
     if call.head_dim == 64 and group == 2:
@@ -281,8 +322,8 @@ def _triton_faster(call) -> str | None:
 
 def kernel_reason(call) -> str | None:
     """Why this kernel cannot run a Hopper forward ``call`` (``backends.AttentionCall``), or ``None``."""
-    if call.dtype not in _GL_DTYPES:
-        return "takes float16 and bfloat16 only"
+    if call.dtype not in _GL_DTYPES and call.dtype != fp8.FP8_DTYPE:
+        return "takes float16, bfloat16 and float8_e4m3fn only"
     if call.in_block or call.rotate:
         return "takes no rotary and no in-block option"
     if call.block_size > tiles.TILE_ROWS:
@@ -303,7 +344,7 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     rotary, options or fp8 scales)."""
     n, h, d = q.shape
     kv_heads = k.shape[1]
-    out = tiles.new_output(q)
+    out = tiles.new_output(q, dtype=None if fp8_scales is None else fp8_scales.out_dtype)
     blocks = tiles.TILE_ROWS // block_size
     num_items = triton.cdiv(table.num_slots, blocks) * kv_heads
     if num_items == 0:
@@ -313,7 +354,9 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         _block_attention_fwd_sm90_kernel, (min(num_items, devices.multiprocessors(q.device)),),
         q_desc=_descriptor(q, tile), k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile), o_ptr=out,
         **table.kernel_args(offsets), num_tokens=n, num_items=num_items, qk_scale_log2=scale * LOG2E,
-        stride_on=out.stride(0), NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=_KV_SLOTS,
-        Q_SLOTS=_q_slots(d, h // kv_heads, q.element_size()), BATCH=_BATCH, num_warps=4,
+        stride_on=out.stride(0),
+        **(fp8.no_scales_args(out) if fp8_scales is None else fp8_scales.kernel_args()), NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=_KV_SLOTS,
+        Q_SLOTS=_q_slots(d, h // kv_heads, q.element_size()), BATCH=_BATCH, FP8=fp8_scales is not None,
+        FP8_OUT=fp8_scales is not None and fp8_scales.out_dtype == fp8.FP8_DTYPE, num_warps=4,
     )
     return out
