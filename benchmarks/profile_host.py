@@ -2,7 +2,7 @@
 they are made of (a torch op, an allocation, the block table, an empty autograd round trip), and optionally a
 cProfile of two of them, the layers of a call with a layout each timed alone (``--layers``: the public function,
 the custom op's route, the planned implementation, its plan's replay and each replayed step, the plan's
-signature; empty Triton launches of 1 and 57 arguments), the calls with their replays' direct launches against
+signature, and the replayed steps of a forward with ``offsets``; empty Triton launches of 1 and 57 arguments), the calls with their replays' direct launches against
 Triton's runner in one process (``--launches``), and the block table's time on the presets' batches.
 
     python benchmarks/profile_host.py [--batch 1 500] [--profile] [--layers] [--launches] [--tables]
@@ -124,12 +124,15 @@ def _replayed_steps(name: str, fn, args: tuple) -> dict:
 
 
 def layers(num_seqs: int, length: int) -> dict:
-    """The layers of a forward and a backward with a layout, outermost first (each includes the ones below)."""
-    _, q, k, v, do, _, layout = _batch(num_seqs, length)
+    """The layers of a forward and a backward with a layout, outermost first (each includes the ones below), and
+    the plan of a forward with ``offsets`` (which builds the block table)."""
+    _, q, k, v, do, offsets, layout = _batch(num_seqs, length)
     scale = HEAD_DIM**-0.5
-    # The forward op's inputs as the public function passes them (no options), and the backward op's.
+    # The forward op's inputs as the public function passes them (no options), with a layout and with offsets, and
+    # the backward op's.
     inputs = (q, k, v, layout.offsets, None, BLOCK_SIZE, scale, 7, False, None, None, None, 0.301, 0.0, None,
               *layout.table, None, None, None, None, None, None)
+    with_offsets = (*inputs[:3], offsets, *inputs[4:15], None, None, *inputs[17:])
     backward = (do, q, k, v, layout.offsets, None, *layout.table, BLOCK_SIZE, scale, 7, False, None, None, None,
                 0.301, 0.0, None, None)
     one = _empty_kernel[(1,)](q)[(1, 1, 1)]
@@ -140,6 +143,7 @@ def layers(num_seqs: int, length: int) -> dict:
         "custom op's route (custom_ops.block_attention)": lambda: custom_ops.block_attention(*inputs),
         "planned forward implementation": lambda: custom_ops._block_attention_forward(*inputs),
         **_replayed_steps("fwd", custom_ops._block_attention_forward, inputs),
+        **_replayed_steps("fwd, offsets", custom_ops._block_attention_forward, with_offsets),
         "planned backward implementation": lambda: custom_ops._block_attention_backward(*backward),
         **_replayed_steps("bwd", custom_ops._block_attention_backward, backward),
         "empty Triton kernel, 1 argument (compiled runner)": lambda: one(q),
@@ -171,7 +175,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs=2, default=(1, 500), metavar=("SEQUENCES", "LENGTH"))
     parser.add_argument("--profile", action="store_true", help="cProfile the eager forward and fwd+bwd")
     parser.add_argument("--layers", action="store_true",
-                        help="time the layers of a forward and a backward with a layout, and their plans' steps")
+                        help="time the layers of a forward and a backward with a layout, and their plans' steps (and "
+                             "those of a forward with offsets)")
     parser.add_argument("--launches", action="store_true",
                         help="the public calls with the replays' direct launches and with Triton's runner (as while "
                              "a launch hook is installed), alternated in this process: median of 6 rounds")

@@ -6,7 +6,6 @@ import itertools
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -170,20 +169,24 @@ def test_more_than_2_pow_31_elements(hq, hkv, rotary, gpu_memory_alone):
         assert snr_db(got[tail:], ref) > 40
 
 
-def test_bad_offsets_trip_device_assert():
-    """Offsets on the GPU are checked without a host sync: a bad value fails the next synchronising call."""
-    script = textwrap.dedent(
-        """
-        import torch, blockattn
-        q = torch.randn(10, 2, 64, device="cuda", dtype=torch.bfloat16)
-        offsets = torch.tensor([0, 7, 3, 10], device="cuda", dtype=torch.int32)
-        out = blockattn.block_attention(q, q, q, offsets)
-        torch.cuda.synchronize()
-        """
-    )
+@pytest.mark.parametrize("call", [
+    "blockattn.block_attention(q, q, q, torch.tensor([1, 7, 10], device='cuda'))",
+    "blockattn.block_attention(q, q, q, torch.tensor([0, 7, 3, 10], device='cuda', dtype=torch.int32))",
+    "blockattn.block_attention(q, q, q, torch.tensor([0, 7, 9], device='cuda'))",
+    "blockattn.block_layout(torch.tensor([0, 7, 3, 10], device='cuda'), 10)",
+    ("blockattn.flash_attention_varlen(q, q, q, *[torch.tensor([0, 7, 10], device='cuda', dtype=torch.int32)] * 2,"
+     " max_seqlen_q=5, max_seqlen_k=7)"),
+], ids=["start", "decreasing", "end", "layout", "max_seqlen"])
+def test_bad_offsets_trip_device_assert(call):
+    """Offsets on the GPU are checked without a host sync, by the table kernel's assertion: a bad value (a first
+    offset other than 0, a decreasing one, a last one other than N, a sequence above the max_seqlen hint) fails the
+    next synchronising call."""
+    script = f"import torch, blockattn\nq = torch.randn(10, 2, 64, device='cuda', dtype=torch.bfloat16)\n{call}\n" \
+             "torch.cuda.synchronize()\nprint('no assertion')\n"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode != 0
-    assert "device-side assert" in result.stderr or "offsets must start at 0" in result.stderr
+    assert result.returncode != 0 and "no assertion" not in result.stdout
+    assert "device-side assert" in result.stderr
+    assert "blockattn: bad offsets or cu_seqlens" in result.stdout + result.stderr
 
 
 # --- rotary: apply_rotary, fused into the kernels, and the packed projection ----------------------------------------

@@ -21,7 +21,7 @@ def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = check
     """The block structure of one batch, to pass in place of ``offsets`` to every attention call on it.
 
     A model with many attention layers, or a serving loop that runs one batch through several calls, builds it once
-    per batch: each call then skips building the block table (the offsets' checks and two GPU launches), as
+    per batch: each call then skips building the block table (the offsets' checks and a GPU launch), as
     FlexAttention's ``BlockMask`` is built once and reused. The values of ``offsets`` are checked here, as a call
     checks them (a ``ValueError`` on the CPU, a device-side assertion on a GPU: no host synchronisation).
 

@@ -65,9 +65,10 @@ def _block_table_kernel(offsets_ptr, block_cum_ptr, block_seq_ptr, ok_ptr, num_s
     """The whole block table in one launch. Program ``p`` takes sequences ``p * SEQS ...``: it counts the blocks of
     the sequences before them (``CHUNK`` at a time), writes their ``block_cum`` and (``FILL``) the grid slots of their
     blocks, which follow one another, ``SLOTS`` at a time; the program of the last sequence also writes the padding
-    slots up to ``num_slots``. Program 0 writes whether the offsets are valid (``offsets[0] == 0``, non-decreasing,
-    ``offsets[-1] == N``, no length above ``max_len``). Every slot below ``num_slots`` gets a sequence in ``[0, B]``,
-    valid offsets or not."""
+    slots up to ``num_slots``. Program 0 checks the offsets (``offsets[0] == 0``, non-decreasing, ``offsets[-1] ==
+    N``, no length above ``max_len``): a device-side assertion where the kernel is compiled with ``debug`` (always
+    on a GPU: :func:`kernel_table`), and the verdict written to ``ok_ptr`` where one is given (Triton's interpreter
+    asserts nothing). Every slot below ``num_slots`` gets a sequence in ``[0, B]``, valid offsets or not."""
     pid = tl.program_id(0)
     first = pid * SEQS
     before = tl.zeros((), dtype=tl.int32)
@@ -93,28 +94,37 @@ def _block_table_kernel(offsets_ptr, block_cum_ptr, block_seq_ptr, ok_ptr, num_s
         for chunk in range(0, num_seqs, CHUNK):
             length = _sequence_blocks(offsets_ptr, chunk + tl.arange(0, CHUNK), num_seqs, BLOCK_SIZE)[0]
             ok = ok & (tl.min(length, axis=0) >= 0) & (tl.max(length, axis=0) <= max_len)
-        tl.store(ok_ptr, ok)
+        tl.device_assert(ok, _BAD_OFFSETS)
+        if ok_ptr is not None:
+            tl.store(ok_ptr, ok)
 
 
 # Sequences per program of the table kernel: each program fills its sequences' slots in turn, so few sequences per
 # program keep long ones (the `long` preset's 64 blocks a sequence) from serialising; 72-256 programs at the presets.
 _TABLE_SEQS = 16
+# The table kernel's assertion (one message for every name: a compiled kernel's message is fixed).
+_BAD_OFFSETS = tl.constexpr("blockattn: bad offsets or cu_seqlens: they must start at 0, be non-decreasing and end at "
+                            "N, with no sequence above max_seqlen where that is given")
 
 
 def kernel_table(offsets: torch.Tensor, num_tokens: int, block_size: int, max_len: int | None = None,
-                 fill: bool = True) -> tuple[BlockTable, torch.Tensor]:
-    """``(table, ok)`` by the one-launch table kernel; ``ok`` (a bool scalar) says whether the offsets are valid.
-    Without ``fill`` only ``block_cum`` is written (``block_seq`` is empty): the check of cumulative lengths that
-    need no table."""
+                 fill: bool = True, verdict: bool = False) -> tuple[BlockTable, torch.Tensor | None]:
+    """``(table, ok)`` by the one-launch table kernel, which asserts on the device that the offsets are valid (one
+    launch, where ``torch._assert_async`` of a verdict took a second launch and an allocation). ``verdict``: also
+    ``ok``, a bool scalar saying whether they are (else None), for Triton's interpreter, whose kernels assert
+    nothing. Without ``fill`` only ``block_cum`` is written (``block_seq`` is empty): the check of cumulative
+    lengths that need no table."""
     num_seqs = offsets.numel() - 1
     num_slots = max_blocks(num_tokens, num_seqs, block_size) if fill else 0
     block_cum = torch.empty(num_seqs, dtype=torch.int32, device=offsets.device)
     block_seq = torch.empty(num_slots, dtype=torch.int32, device=offsets.device)
-    ok = torch.empty((), dtype=torch.bool, device=offsets.device)
+    ok = torch.empty((), dtype=torch.bool, device=offsets.device) if verdict else None
+    # ``debug`` compiles the assertion in; without ``sanitize_overflow`` (which ``debug`` turns on) every int32 sum
+    # would be checked too.
     launch(_block_table_kernel, (max(1, triton.cdiv(num_seqs, _TABLE_SEQS)),), offsets_ptr=offsets,
            block_cum_ptr=block_cum, block_seq_ptr=block_seq, ok_ptr=ok, num_seqs=num_seqs, num_tokens=num_tokens,
            max_len=num_tokens if max_len is None else max_len, num_slots=num_slots, BLOCK_SIZE=block_size,
-           SEQS=_TABLE_SEQS, CHUNK=1024, SLOTS=256, FILL=fill)
+           SEQS=_TABLE_SEQS, CHUNK=1024, SLOTS=256, FILL=fill, debug=True, sanitize_overflow=False)
     return BlockTable(block_cum, block_seq), ok
 
 
@@ -140,28 +150,22 @@ def _checked_table(offsets: torch.Tensor, num_tokens: int, block_size: int, max_
     """The table of ``offsets`` (``block_seq`` empty without ``fill``), whose values are checked (see
     :func:`build_block_table`)."""
     if kernels_run_on(offsets.device):
-        table, ok = kernel_table(offsets, num_tokens, block_size, max_len, fill)
+        return kernel_table(offsets, num_tokens, block_size, max_len, fill)[0]
+    lengths = offsets[1:] - offsets[:-1]
+    if offsets.device.type == "cpu":
+        _check_offsets_on_host(offsets, num_tokens, max_len, name)
     else:
-        lengths = offsets[1:] - offsets[:-1]
-        if offsets.device.type == "cpu":
-            _check_offsets_on_host(offsets, num_tokens, max_len, name)
-            ok = None
-        else:
-            ok = (offsets[0] == 0) & (offsets[-1] == num_tokens) & (lengths >= 0).all()
-            if max_len is not None:
-                ok = ok & (lengths <= max_len).all()
-        block_cum = torch.cumsum(_blocks_per_seq(lengths, block_size), 0, dtype=torch.int32)
-        if fill:
-            slots = torch.arange(max_blocks(num_tokens, offsets.numel() - 1, block_size), device=offsets.device,
-                                 dtype=torch.int32)
-            block_seq = torch.searchsorted(block_cum, slots, right=True, out_int32=True)
-        else:
-            block_seq = block_cum.new_empty(0)
-        table = BlockTable(block_cum, block_seq)
-    if ok is not None:
+        ok = (offsets[0] == 0) & (offsets[-1] == num_tokens) & (lengths >= 0).all()
+        if max_len is not None:
+            ok = ok & (lengths <= max_len).all()
         torch._assert_async(ok, f"blockattn: {name} must start at 0, be non-decreasing and end at N"
                             + ("" if max_len is None else f", with no sequence above the max_seqlen hint {max_len}"))
-    return table
+    block_cum = torch.cumsum(_blocks_per_seq(lengths, block_size), 0, dtype=torch.int32)
+    if not fill:
+        return BlockTable(block_cum, block_cum.new_empty(0))
+    slots = torch.arange(max_blocks(num_tokens, offsets.numel() - 1, block_size), device=offsets.device,
+                         dtype=torch.int32)
+    return BlockTable(block_cum, torch.searchsorted(block_cum, slots, right=True, out_int32=True))
 
 
 def check_offsets(offsets: torch.Tensor, num_tokens: int, max_len: int | None = None, name: str = "offsets") -> None:
@@ -177,8 +181,7 @@ def build_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int, m
     wrong. On a GPU reading the values would stall the host, so the check is a device-side assertion instead: it
     fails the next synchronising call with "device-side assert triggered". The kernels clamp every block to
     ``[0, N)`` meanwhile, so bad offsets never cause an out-of-bounds access. On a GPU that runs the Triton kernels
-    one launch builds the table and the check (then the assertion: two launches, where the host time of a small
-    call is mostly launches); on other GPUs PyTorch ops do. ``max_len``, when given, bounds every sequence's length
+    one launch builds the table and asserts (one message for every name there); on other GPUs PyTorch ops do. ``max_len``, when given, bounds every sequence's length
     too; ``name`` is the argument the messages name.
     """
     return _checked_table(offsets, num_tokens, block_size, max_len, name, fill=True)
@@ -187,7 +190,7 @@ def build_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int, m
 class BlockLayout(NamedTuple):
     """The block structure of one batch, built once (:func:`blockattn.block_layout`) and passed in place of
     ``offsets`` to every attention call on that batch, as FlexAttention's ``BlockMask`` is: the calls then skip
-    building the block table (the offsets' checks and two launches each). With ``timestamps``, also the batch's
+    building the block table (the offsets' checks and a launch each). With ``timestamps``, also the batch's
     time buckets (``num_time_buckets`` of ``time_bucket_width``): ``time_buckets``, their table where the kernels
     run (``ops.in_block.bucket_table``; None elsewhere), which every call's time bias then reads instead of building
     its own."""
