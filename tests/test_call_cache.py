@@ -7,7 +7,7 @@ metadata differ must take the slow way again (its checks included)."""
 
 import pytest
 import torch
-from conftest import requires_gpu
+from conftest import requires_gpu, uniform_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,19 +152,13 @@ def _cached_then_fresh(call, make_inputs, slow_calls, cache, calls=5):
     _bitwise(got, call(*inputs))
 
 
-def _packed(n_seqs, length, hq, hkv, d, dtype=torch.bfloat16):
-    n = n_seqs * length
-    offsets = torch.arange(0, n + 1, length, device="cuda")
-    return n, offsets, lambda h: torch.randn(n, h, d, device="cuda", dtype=dtype)
-
-
 @requires_gpu
 @pytest.mark.parametrize("hq, hkv, d", [(4, 4, 128), (8, 2, 64)])
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("layout", [False, True])
 @pytest.mark.parametrize("grad", [False, True])
 def test_gpu_block_attention_replays_from_the_call_cache(monkeypatch, hq, hkv, d, rotary, layout, grad):
-    n, offsets, randn = _packed(3, 150, hq, hkv, d)
+    n, offsets, randn = uniform_batch(3, 150, d)
     structure = blockattn.block_layout(offsets, n) if layout else offsets
     angles = random_angles(n, d, "cuda") if rotary else None
     slow = _counting(monkeypatch, custom_ops, "block_attention")
@@ -181,7 +175,7 @@ def test_gpu_block_attention_replays_from_the_call_cache(monkeypatch, hq, hkv, d
 
 @requires_gpu
 def test_gpu_packed_projection_replays_from_the_call_cache(monkeypatch):
-    n, offsets, _ = _packed(2, 130, 4, 2, 64)
+    n, offsets, _ = uniform_batch(2, 130, 64)
     layout = blockattn.block_layout(offsets, n)
     w = torch.randn(96, (4 + 2 * 2) * 64, device="cuda", dtype=torch.bfloat16) * 0.1
     bias = torch.randn((4 + 2 * 2) * 64, device="cuda", dtype=torch.bfloat16)
@@ -215,7 +209,7 @@ def test_gpu_flash_attention_replays_from_the_call_cache(monkeypatch, varlen):
 def test_gpu_other_metadata_takes_the_slow_way_and_is_right(monkeypatch):
     """Grad mode, ``requires_grad``, strides, 16-byte alignment and dtype each make another signature: such a call
     runs the slow way (checks, dispatcher, a plan of its own), and its result is the slow way's."""
-    n, offsets, randn = _packed(2, 128, 4, 4, 64)
+    n, offsets, randn = uniform_batch(2, 128, 64)
     layout = blockattn.block_layout(offsets, n)
     q, k, v = randn(4), randn(4), randn(4)
     slow = _counting(monkeypatch, custom_ops, "block_attention")
@@ -250,7 +244,7 @@ def _no_grad(fn):
 def test_gpu_refused_arguments_are_refused_after_a_learned_call():
     """The signature holds which arguments are one tensor: a layout's timestamps passed as the call's own are
     accepted, another tensor with their metadata is refused (checks.layout_time_bias), learned call or not."""
-    n, offsets, randn = _packed(2, 128, 4, 4, 64)
+    n, offsets, randn = uniform_batch(2, 128, 64)
     stamps = torch.arange(n, device="cuda", dtype=torch.int64)
     layout = blockattn.block_layout(offsets, n, timestamps=stamps, num_time_buckets=8)
     time_bias = torch.zeros(4, 8, device="cuda")
@@ -264,7 +258,7 @@ def test_gpu_refused_arguments_are_refused_after_a_learned_call():
 
 @requires_gpu
 def test_gpu_calls_with_dropout_always_run_the_slow_way(monkeypatch):
-    _, offsets, randn = _packed(2, 100, 4, 4, 64)
+    _, offsets, randn = uniform_batch(2, 100, 64)
     q = randn(4)
     slow = _counting(monkeypatch, custom_ops, "block_attention")
     outs = [blockattn.block_attention(q, q, q, offsets, dropout_p=0.5) for _ in range(5)]
@@ -276,7 +270,7 @@ def test_gpu_calls_with_dropout_always_run_the_slow_way(monkeypatch):
 def test_gpu_the_packed_projection_under_autocast_takes_the_slow_way(monkeypatch):
     """The projection runs before the op, in the dtype autocast picks: a call learned without autocast must not
     replay its bf16 plan on the fp16 projection autocast makes of the same bf16 inputs."""
-    n, offsets, _ = _packed(2, 130, 4, 2, 64)
+    n, offsets, _ = uniform_batch(2, 130, 64)
     layout = blockattn.block_layout(offsets, n)
     x = torch.randn(n, 96, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(96, (4 + 2 * 2) * 64, device="cuda", dtype=torch.bfloat16) * 0.1

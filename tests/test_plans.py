@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import capture_cuda_graph, requires_gpu
+from conftest import capture_cuda_graph, requires_gpu, uniform_batch
 from torch.utils._python_dispatch import _disable_current_modes
 
 import blockattn
@@ -177,12 +177,6 @@ def _replays_match(call, make_inputs, planned_fns, expect_plan=True):
         assert torch.equal(replayed.view(torch.uint8), fresh.view(torch.uint8))
 
 
-def _packed(n_seqs, length, hq, hkv, d, dtype=torch.bfloat16):
-    n = n_seqs * length
-    offsets = torch.arange(0, n + 1, length, device="cuda")
-    return n, offsets, lambda h: torch.randn(n, h, d, device="cuda", dtype=dtype)
-
-
 def _block_fwd_bwd(layout_or_offsets, **options):
     def call(q, k, v, do, sinu):
         args = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -197,7 +191,7 @@ def _block_fwd_bwd(layout_or_offsets, **options):
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("layout", [False, True])
 def test_gpu_block_attention_replays(hq, hkv, d, block_size, rotary, layout):
-    n, offsets, randn = _packed(3, 150, hq, hkv, d)
+    n, offsets, randn = uniform_batch(3, 150, d)
     structure = blockattn.block_layout(offsets, n, block_size) if layout else offsets
     angles = random_angles(n, d, "cuda") if rotary else None
     options = {} if layout else {"block_size": block_size}
@@ -211,7 +205,7 @@ def test_gpu_block_attention_replays(hq, hkv, d, block_size, rotary, layout):
 def test_gpu_block_attention_options_replay(options):
     """Dropout: each call draws its seed, so a replay must use the new one (the same seed again for the fresh
     run)."""
-    _, offsets, randn = _packed(2, 100, 4, 2, 64)
+    _, offsets, randn = uniform_batch(2, 100, 64)
     call = _block_fwd_bwd(offsets, **options)
 
     def seeded(*inputs):
@@ -223,7 +217,7 @@ def test_gpu_block_attention_options_replay(options):
 
 @requires_gpu
 def test_gpu_a_replay_with_dropout_draws_a_new_mask():
-    _, offsets, randn = _packed(2, 100, 4, 4, 64)
+    _, offsets, randn = uniform_batch(2, 100, 64)
     q = randn(4)
     outs = [blockattn.block_attention(q, q, q, offsets, dropout_p=0.5) for _ in range(4)]
     assert any(isinstance(p, plans.Plan) for p in custom_ops._block_attention_forward.plans.values())
@@ -232,7 +226,7 @@ def test_gpu_a_replay_with_dropout_draws_a_new_mask():
 
 @requires_gpu
 def test_gpu_packed_projection_replays():
-    n, offsets, _ = _packed(2, 130, 4, 2, 64)
+    n, offsets, _ = uniform_batch(2, 130, 64)
     w = torch.randn(96, (4 + 2 * 2) * 64, device="cuda", dtype=torch.bfloat16) * 0.1
 
     def call(x, do):
@@ -246,7 +240,7 @@ def test_gpu_packed_projection_replays():
 
 @requires_gpu
 def test_gpu_fp8_block_attention_replays():
-    _, offsets, randn = _packed(2, 130, 4, 2, 64)
+    _, offsets, randn = uniform_batch(2, 130, 64)
 
     def inputs():
         return (*quantised_fp8(randn(4)), *quantised_fp8(randn(2)), *quantised_fp8(randn(2)))
@@ -289,7 +283,7 @@ def test_gpu_replayed_launches_go_direct_but_to_a_launch_hook():
     launch hook (a profiler's) is installed, through Triton, which calls it. All bitwise as a fresh run."""
     from triton import knobs
 
-    _, offsets, randn = _packed(3, 150, 4, 4, 128)
+    _, offsets, randn = uniform_batch(3, 150, 128)
 
     def call(q, k, v, do):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -325,7 +319,7 @@ def test_gpu_replayed_launches_go_direct_but_to_a_launch_hook():
 def test_gpu_one_plan_replayed_on_several_threads_at_once():
     """Threads replaying one plan share its launches' parameter buffers: each launch must still get its own
     tensors (bitwise as the implementation run afresh on them)."""
-    _, offsets, randn = _packed(3, 150, 4, 4, 128)
+    _, offsets, randn = uniform_batch(3, 150, 128)
     layout = blockattn.block_layout(offsets, 450)
     batches = [[(randn(4), randn(4), randn(4)) for _ in range(20)] for _ in range(4)]
     for q, k, v in batches[0][:3]:
@@ -377,7 +371,7 @@ def test_signatures_tell_apart_shapes_alignment_aliasing_types_and_the_current_d
 def test_gpu_a_plan_replays_on_another_thread_and_under_graph_capture():
     """Recorded on this thread, replayed on a new one (a host descriptor's launch there needs the device's context
     made current) and inside a CUDA-graph capture (the replay's allocations and launches are captured)."""
-    n, offsets, randn = _packed(2, 150, 4, 4, 128)
+    n, offsets, randn = uniform_batch(2, 150, 128)
     layout = blockattn.block_layout(offsets, n)
     q, k, v, do = (randn(4) for _ in range(4))
 

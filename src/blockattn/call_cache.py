@@ -21,7 +21,9 @@ The cache learns a signature after a call that ran the slow way and whose op's i
 signature, which records it). A dropout seed, drawn per call, is neither: such calls always run the slow way.
 Nothing is cached while ``torch.compile`` traces, under a dispatch mode or functorch transform, for a tensor
 subclass (a nested tensor among them), off CUDA, or for an argument without a signature (an unhashable value);
-:func:`checks.forget` and :func:`ops.plans.forget` forget it.
+:func:`checks.forget` and :func:`ops.plans.forget` forget it. A learned call holds its plan: replays through the
+cache do not renew it in ``planned``'s own order of use, so a plan can leave that bound (:data:`ops.plans.MAX_PLANS`)
+while this one keeps it, still valid for its signature.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import checks
+from . import checks, custom_ops
 from .ops import plans
 from .signatures import TENSORS, Signature
 
@@ -66,8 +68,7 @@ class CallCache:
         """``(key, replay)``: the signature of ``args`` (the public call's arguments, flat: tensors, None and
         hashable values) and, where it was learned, ``replay(args)``, the call's result; key None where nothing
         may be cached."""
-        if (type(args[0]) not in TENSORS or not args[0].is_cuda or torch.compiler.is_compiling()
-                or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()):
+        if type(args[0]) not in TENSORS or not args[0].is_cuda or not custom_ops.eager_context():
             return None, None
         try:
             key = self.signature(args)

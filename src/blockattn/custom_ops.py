@@ -459,10 +459,14 @@ def eager_route(*inputs) -> bool:
     (docs/benchmarks.md), more than the kernels of a small batch take. Not while ``torch.compile`` traces, under
     a dispatch mode (``FlopCounterMode``, ``FakeTensorMode``) or a functorch transform, nor for tensor subclasses
     or meta tensors: there the op's registrations (fake, FLOP formula) are what is asked for."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    return (not torch._C._are_functorch_transforms_active() and not inputs[0].is_meta
-            and _EAGER_TYPES.issuperset(map(type, inputs)))
+    return eager_context() and not inputs[0].is_meta and _EAGER_TYPES.issuperset(map(type, inputs))
+
+
+def eager_context() -> bool:
+    """Whether nothing traces or watches the ops' calls: ``torch.compile`` is not tracing, and no dispatch mode or
+    functorch transform is active (:func:`eager_route`'s conditions on the context, which ``call_cache`` shares)."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._are_functorch_transforms_active())
 
 
 # What an op's arguments may be on the eager route: plain tensors and Python values (not a tensor subclass).
