@@ -181,8 +181,8 @@ def build_block_table(offsets: torch.Tensor, num_tokens: int, block_size: int, m
     wrong. On a GPU reading the values would stall the host, so the check is a device-side assertion instead: it
     fails the next synchronising call with "device-side assert triggered". The kernels clamp every block to
     ``[0, N)`` meanwhile, so bad offsets never cause an out-of-bounds access. On a GPU that runs the Triton kernels
-    one launch builds the table and asserts (one message for every name there); on other GPUs PyTorch ops do. ``max_len``, when given, bounds every sequence's length
-    too; ``name`` is the argument the messages name.
+    one launch builds the table and asserts (one message for every name there); on other GPUs PyTorch ops do.
+    ``max_len``, when given, bounds every sequence's length too; ``name`` is the argument the messages name.
     """
     return _checked_table(offsets, num_tokens, block_size, max_len, name, fill=True)
 

@@ -21,12 +21,17 @@ their values zeroed in shared memory before the product (a NaN there must not re
 stored. In a tile of several blocks a NaN or inf in one block's values reaches the others, as in the Triton forward's
 tiles (docs/semantics.md).
 
+fp8 inputs (``ops.fp8``): ``Q K^T`` runs on fp8 wgmma; each consumer widens its item's values into an fp16 tile of
+its own in shared memory (``P V``'s second operand must be K-major at 8 bits, which the value rows are not), rows
+past the tile's end zeroed there, and ``P`` is fp16. The descales are read on the device; an fp8 output is
+saturated to e4m3's range.
+
 What did not pay (H200, the sweep's lengths, bf16, time over the floor; docs/benchmarks.md, 2026-11-28): three
 consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.60x against 1.11x with two); the
 rotary turned in shared memory by the consumers (1.43-4.42x over two versions, against the Triton forward's
-1.19-1.46x: the angles' registers spill); fewer q slots than the group at D = 64 (8:2 1.41x against 1.16x with four); checking the values of
-tiles of several blocks for NaN or inf, to take the blocks apart where one is found (D = 128 8:4: 1.10 -> 1.55x at
-32-token blocks, 1.12 -> 1.82x at 16).
+1.19-1.46x: the angles' registers spill); fewer q slots than the group at D = 64 (8:2 1.41x against 1.16x with
+four); checking the values of tiles of several blocks for NaN or inf, to take the blocks apart where one is found
+(D = 128 8:4: 1.10 -> 1.55x at 32-token blocks, 1.12 -> 1.82x at 16).
 """
 
 from __future__ import annotations
@@ -276,9 +281,9 @@ def _block_attention_fwd_sm90_kernel(
 
 def _q_slots(head_dim: int, group: int, element_size: int) -> int:
     """q slots a consumer: the whole group's (up to 8), as many as :data:`_RING_BYTES` holds beside the k/v slots
-    (and, for fp8, the consumers' values widened to 16 bits; the compiler's staging of the outputs takes the rest of the shared memory), at least two: the producer waits
-    for a free q slot, and with fewer slots than the group it cannot load the other consumer's next item
-    meanwhile."""
+    (and, for fp8, the consumers' values widened to 16 bits; the compiler's staging of the outputs takes the rest
+    of the shared memory), at least two: the producer waits for a free q slot, and with fewer slots than the group
+    it cannot load the other consumer's next item meanwhile."""
     tile = tiles.TILE_ROWS * head_dim * element_size
     ring = _RING_BYTES - (_CONSUMERS * tiles.TILE_ROWS * head_dim * 2 if element_size == 1 else 0)
     return max(2, min(group, ring // (_CONSUMERS * tile) - 2 * _KV_SLOTS))
@@ -341,7 +346,7 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              table: BlockTable, block_size: int, scale: float, sinu_pos: torch.Tensor | None,
                              rotate: int, options: InBlock, fp8_scales=None) -> torch.Tensor:
     """``out`` of a forward :func:`kernel_reason` takes (the dispatcher's forward signature, ``backends``: no
-    rotary, options or fp8 scales)."""
+    rotary or options; fp8 inputs with their ``fp8_scales``)."""
     n, h, d = q.shape
     kv_heads = k.shape[1]
     out = tiles.new_output(q, dtype=None if fp8_scales is None else fp8_scales.out_dtype)
@@ -354,8 +359,8 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         _block_attention_fwd_sm90_kernel, (min(num_items, devices.multiprocessors(q.device)),),
         q_desc=_descriptor(q, tile), k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile), o_ptr=out,
         **table.kernel_args(offsets), num_tokens=n, num_items=num_items, qk_scale_log2=scale * LOG2E,
-        stride_on=out.stride(0),
-        **(fp8.no_scales_args(out) if fp8_scales is None else fp8_scales.kernel_args()), NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=_KV_SLOTS,
+        stride_on=out.stride(0), **(fp8.no_scales_args(out) if fp8_scales is None else fp8_scales.kernel_args()),
+        NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=_KV_SLOTS,
         Q_SLOTS=_q_slots(d, h // kv_heads, q.element_size()), BATCH=_BATCH, FP8=fp8_scales is not None,
         FP8_OUT=fp8_scales is not None and fp8_scales.out_dtype == fp8.FP8_DTYPE, num_warps=4,
     )
