@@ -174,6 +174,34 @@ def test_gpu_block_attention_replays_from_the_call_cache(monkeypatch, hq, hkv, d
 
 
 @requires_gpu
+def test_gpu_the_backward_of_a_replay_finds_its_plan_by_grad_out():
+    """The backward of a forward replayed from the call cache finds its plan by ``grad_out``'s metadata, kept with
+    the forward's plan: one for each layout of ``grad_out`` (a strided one gets its own), each result bitwise the
+    slow way's."""
+    plans.forget()
+    n, offsets, randn = uniform_batch(2, 128, 64)
+    layout = blockattn.block_layout(offsets, n)
+    q, k, v = randn(4), randn(2), randn(2)
+
+    def call(do):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = blockattn.block_attention(*leaves, layout)
+        return (out, *torch.autograd.grad(out, leaves, do))
+    contiguous = randn(4)
+    strided = torch.randn(n, 4, 128, device="cuda", dtype=torch.bfloat16)[..., :64]
+    for _ in range(4):
+        got = call(contiguous)
+    (forward_plan,) = [p for p in custom_ops._block_attention_forward.plans.values() if isinstance(p, plans.Plan)]
+    assert len(forward_plan.backward_plans) == 1
+    for _ in range(4):
+        got_strided = call(strided)
+    assert len(forward_plan.backward_plans) == 2
+    plans.forget()
+    _bitwise(got, call(contiguous))
+    _bitwise(got_strided, call(strided))
+
+
+@requires_gpu
 def test_gpu_packed_projection_replays_from_the_call_cache(monkeypatch):
     n, offsets, _ = uniform_batch(2, 130, 64)
     layout = blockattn.block_layout(offsets, n)

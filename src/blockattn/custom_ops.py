@@ -22,6 +22,7 @@ tensors for absent biases: an op's outputs cannot be None).
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -35,9 +36,10 @@ from .ops import fp8, in_block, tiles
 from .ops.block_attention_torch import rotary_torch
 from .ops.fp8 import Fp8Scales
 from .ops.in_block import DEFAULT_BUCKET_WIDTH, InBlock
-from .ops.plans import Plan, planned
+from .ops.plans import Plan, current_device, planned
 from .ops.rotary import rotary_triton
 from .ops.tiles import ROTATE_NONE
+from .signatures import TENSORS
 
 
 @torch.library.custom_op("blockattn::rotary", mutates_args=())
@@ -204,7 +206,11 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save, inpu
     The Function is applied as ``apply(plan, inputs, *(inputs[i] for i in differentiable))``: the plan of
     ``fwd_impl`` to replay on the inputs (``ops.plans``; None: call ``fwd_impl``), the op's inputs as one tuple, and
     apart the ones that may take a gradient (``differentiable``, the Function's attribute). The others get none;
-    ``autograd.Function.apply`` spends host time on every argument it is given (23 or 18 here otherwise)."""
+    ``autograd.Function.apply`` spends host time on every argument it is given (23 or 18 here otherwise). The eager
+    route applies it by ``eager_apply``, the C ``apply`` beneath ``autograd.Function.apply``'s Python wrapper: that
+    wrapper unwraps functorch's dead wrappers and binds defaults for a ``setup_context``, neither of which applies
+    there (no functorch transform, no ``setup_context``), and took ~4 µs a call on a 2-core CPU. The backward of a
+    replayed forward finds its own plan by :func:`_backward_after_replay`."""
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(*output[1:])
         save(ctx, inputs, output[1:3], output[3])
@@ -215,15 +221,43 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save, inpu
     def forward(ctx, plan, inputs, *differentiable_inputs):
         out, table, buckets = fwd_impl(*inputs) if plan is None else plan(inputs)
         save(ctx, inputs, table, buckets)
+        ctx.plan = plan
         return out
 
     def backward(ctx, grad_out):
-        grads = input_grads(ctx, grad_out, bwd_impl)
+        backward_impl = bwd_impl if ctx.plan is None else functools.partial(_backward_after_replay, ctx.plan, bwd_impl)
+        grads = input_grads(ctx, grad_out, backward_impl)
         return None, None, *(grads[i] for i in differentiable)
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
-                                                   "backward": staticmethod(backward),
-                                                   "differentiable": differentiable})
+    function = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                       "backward": staticmethod(backward),
+                                                       "differentiable": differentiable})
+    function.eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+    return function
+
+
+# Backward plans kept a forward plan (``grad_out`` of other strides or alignments: a few at most).
+_MAX_BACKWARD_PLANS = 8
+
+
+def _backward_after_replay(forward_plan: Plan, bwd_impl, *args):
+    """``bwd_impl(*args)`` for the backward of a call whose forward replayed ``forward_plan``. Every argument but
+    ``grad_out`` (the first) is the forward's (its saved inputs and the tables it built, its Python values), so
+    their metadata are fixed by the forward plan's signature: the backward's plan is found by ``grad_out``'s
+    metadata and the current device, kept with the forward plan, rather than by ``planned``'s signature of ~19
+    arguments (~5 µs of host time)."""
+    grad_out = args[0]
+    if type(grad_out) not in TENSORS or not eager_context():
+        return bwd_impl(*args)
+    key = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.data_ptr() & 15, current_device())
+    plan = forward_plan.backward_plans.get(key)
+    if plan is not None:
+        return plan(args)
+    result = bwd_impl(*args)
+    plan = bwd_impl.plan_of(args)
+    if isinstance(plan, Plan) and len(forward_plan.backward_plans) < _MAX_BACKWARD_PLANS:
+        forward_plan.backward_plans[key] = plan
+    return result
 
 
 @planned
@@ -478,7 +512,7 @@ def _attention(op, eager: type[torch.autograd.Function], forward, inputs: tuple)
         # Gradients flow to the Function's differentiable inputs alone: whether autograd records is theirs to say.
         differentiable = [inputs[i] for i in eager.differentiable]
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
-            return eager.apply(None, inputs, *differentiable)
+            return eager.eager_apply(None, inputs, *differentiable)
         # Nothing to differentiate (inference): the implementation itself, without the Function's bookkeeping.
         return forward(*inputs)[0]
     return op(*inputs)[0]
@@ -498,7 +532,7 @@ def _replay_of(implementation, eager: type[torch.autograd.Function] | None, inpu
         return plan
     differentiable = operator.itemgetter(*eager.differentiable)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable(inputs)):
-        return lambda inputs: eager.apply(plan, inputs, *differentiable(inputs))
+        return lambda inputs: eager.eager_apply(plan, inputs, *differentiable(inputs))
     return lambda inputs: plan(inputs)[0]
 
 

@@ -224,12 +224,14 @@ def _direct_step(direct: launches.DirectLaunch, through_triton: Callable[[list],
 class Plan:
     """One signature's recorded steps, and the call's result with slots for its tensors: its leaves and their
     pytree ``spec``, or, for a flat tuple (the ops' results; ``tree_unflatten`` took 3-5 µs of a replay on an
-    H200's host), the tuple itself (``spec`` None)."""
+    H200's host), the tuple itself (``spec`` None). ``backward_plans``: the plans of the backward of calls that
+    replayed this (a forward's) plan, kept by ``custom_ops``."""
 
     def __init__(self, steps: list, result: list, spec):
         self.steps = steps
         self.result = _filler(result)
         self.spec = spec
+        self.backward_plans: dict = {}
 
     def __call__(self, args: tuple):
         slots = list(args)
