@@ -252,12 +252,13 @@ def test_raw_op_defaults_to_a_bfloat16_output():
 
 
 @requires_gpu
-def test_gpu_compile_and_cuda_graph():
+@pytest.mark.parametrize("hkv", [2, 4])
+def test_gpu_compile_and_cuda_graph(hkv):
     from conftest import capture_cuda_graph
 
     lengths = odd_lengths(64) + [300]
     offsets = make_offsets(lengths, "cuda")
-    (q, k, v), scales, exact = quantized_inputs(lengths, 8, 2, 128, "cuda")
+    (q, k, v), scales, exact = quantized_inputs(lengths, 8, hkv, 128, "cuda")
     if ON_HOPPER:  # the warp-specialised forward's (the dispatcher's rule)
         assert backends.select(AttentionCall.of("fwd", q, k, 64, 0, 0, tensors=(q, k, v))).name == "sm90-gluon"
 

@@ -306,16 +306,16 @@ def _triton_faster(call) -> str | None:
     program without GQA, keeps it in its own), at 8 query heads a kv head (1.13-1.49x against 1.31-2.67x), at 4 with
     D = 64 (1.12-1.24x against 1.16-1.30x) and at D = 32 (1.27-1.87x against 1.41-2.67x, a tie at 16-token blocks
     without GQA), where two consumers' chains of products, softmax and stores cannot keep up with the loads. fp8
-    (half the bytes a score: the loads keep up more easily) runs here at D = 128 with 4 query heads a kv head, 2 at
-    16- and 32-token blocks and 1 at 64 (H200, 2026-11-28, Triton -> this kernel: 8:4 1.36 -> 1.23x, 1.74 -> 1.44x,
-    1.77 -> 1.53x at 64-, 32- and 16-token blocks; 8:2 1.64 -> 1.40x, 1.72 -> 1.56x at 32 and 16; 8:8 1.30 ->
-    1.20x at 64); the Triton forward keeps fp8 8:2 at 64-token blocks (a tie, 1.30x), 8:8 at 16 and 32 (a tie, and
-    the NaN exception above), 8:1 (1.29-1.63x against 2.57-3.20x) and D = 64 and 32 (D = 64: 1.40-1.92x against
-    1.51-2.86x). Measured on an H200 only (no H100 was lent)."""
+    runs here at D = 128 under GQA of 2 to 4 query heads a kv head, and without GQA at 64-token blocks
+    (``benchmarks/hopper_ab.py --dtype float8_e4m3fn``, H200, 2026-11-28, Triton -> this kernel at 64-, 32- and
+    16-token blocks: 8:4 1.36 -> 1.23x, 1.74 -> 1.39x, 1.77 -> 1.52x; 8:2 1.29 -> 1.30x (a tie), 1.64 -> 1.37x,
+    1.71 -> 1.54x; 8:8 1.30 -> 1.18x at 64). The Triton forward keeps fp8 without GQA at 16- and 32-token blocks (a
+    tie, 1.47 and 1.61x against 1.45 and 1.55x, and the NaN exception above), at 8 query heads a kv head
+    (1.29-1.62x against 2.62-3.29x) and at D = 64 and 32 (D = 64: 1.40-1.92x against 1.51-2.86x, a tie at 8:4
+    64-token blocks). Measured on an H200 only (no H100 was lent)."""
     group = call.num_heads // call.num_kv_heads
     if call.dtype == fp8.FP8_DTYPE:
-        if call.head_dim == 128 and (group == 4 or (group == 2 and call.block_size < 64)
-                                     or (group == 1 and call.block_size == 64)):
+        if call.head_dim == 128 and (2 <= group <= 4 or (group == 1 and call.block_size == 64)):
             return None
         return "the Triton forward measured faster for fp8 at this head dim, GQA group and block size"
     if call.head_dim == 128 and 2 <= group <= 4:
