@@ -507,11 +507,16 @@ def eager_context() -> bool:
 _EAGER_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, torch.dtype})
 
 
+def _records_grad(differentiable) -> bool:
+    """Whether autograd records a call whose differentiable inputs are ``differentiable`` (None for absent ones)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+
+
 def _attention(op, eager: type[torch.autograd.Function], forward, inputs: tuple) -> torch.Tensor:
     if eager_route(*inputs):
         # Gradients flow to the Function's differentiable inputs alone: whether autograd records is theirs to say.
         differentiable = [inputs[i] for i in eager.differentiable]
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
+        if _records_grad(differentiable):
             return eager.eager_apply(None, inputs, *differentiable)
         # Nothing to differentiate (inference): the implementation itself, without the Function's bookkeeping.
         return forward(*inputs)[0]
@@ -531,7 +536,7 @@ def _replay_of(implementation, eager: type[torch.autograd.Function] | None, inpu
     if eager is None:
         return plan
     differentiable = operator.itemgetter(*eager.differentiable)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable(inputs)):
+    if _records_grad(differentiable(inputs)):
         return lambda inputs: eager.eager_apply(plan, inputs, *differentiable(inputs))
     return lambda inputs: plan(inputs)[0]
 

@@ -50,15 +50,15 @@ def _attend(q, k, v, cu_seqlens, max_seqlens, *, causal, causal_alignment, scale
     key, replay = _CALLS.lookup(args)
     if replay is not None:
         out, lse = replay(args)
-        return (out, lse) if return_lse else out
-    checks.flash_call(q, k, v, *cu_seqlens, *max_seqlens, causal, causal_alignment, scale, return_lse, out_dtype,
-                      q_descale, k_descale, v_descale, variant)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out_dtype = fp8.out_dtype_of(q.dtype, out_dtype) or q.dtype
-    inputs = (q, k, v, *cu_seqlens, *max_seqlens, scale, causal, causal_alignment == "bottom_right", out_dtype,
-              q_descale, k_descale, v_descale, variant)
-    out, lse = custom_ops.flash_attention(*inputs)
-    _CALLS.learn(key, args, inputs)
+    else:
+        checks.flash_call(q, k, v, *cu_seqlens, *max_seqlens, causal, causal_alignment, scale, return_lse, out_dtype,
+                          q_descale, k_descale, v_descale, variant)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        out_dtype = fp8.out_dtype_of(q.dtype, out_dtype) or q.dtype
+        inputs = (q, k, v, *cu_seqlens, *max_seqlens, scale, causal, causal_alignment == "bottom_right", out_dtype,
+                  q_descale, k_descale, v_descale, variant)
+        out, lse = custom_ops.flash_attention(*inputs)
+        _CALLS.learn(key, args, inputs)
     return (out, lse) if return_lse else out
 
 

@@ -66,6 +66,9 @@ from .tiles import (
     ROTATE_V,
     block_bounds,
     column_mask,
+    fp8_out_factor,
+    fp8_output,
+    fp8_score_scale,
     grad_scores,
     in_block_rows,
     rotary_operand,
@@ -76,9 +79,6 @@ from .tiles import (
     tile_mask,
     tile_ptrs,
 )
-
-# Kernels read globals only as constexprs.
-_FP8_MAX = tl.constexpr(fp8.FP8_MAX)
 
 
 def min_chunk(rotary: bool) -> int:
@@ -271,17 +271,6 @@ def _store_unrotated(base, rows, pair0, stride_n, even, odd, mask, sin, cos, ON:
 
 
 @triton.jit
-def _descaled(o, out_factor, FP8: tl.constexpr, OUT: tl.constexpr):
-    """An fp8 forward's output tile times ``v_descale`` (over ``out_scale`` for an fp8 output, then saturated:
-    e4m3fn has no infinity); other outputs as they are."""
-    if FP8:
-        o = o * out_factor
-        if OUT == tl.float8e4nv:
-            o = tl.minimum(tl.maximum(o, -_FP8_MAX), _FP8_MAX)
-    return o
-
-
-@triton.jit
 def _widened(tile, FP8: tl.constexpr):
     """An fp8 tile as fp16 (exact), for 16-bit tensor-core products; other tiles as they are."""
     if FP8:
@@ -330,9 +319,9 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
                                DOT_PRECISION)
             p = block_probs(scores, start, head + g, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK, keys)
             p = p.to(v_even.dtype)
-            o_even = _descaled(tl.dot(p, v_even, input_precision=DOT_PRECISION), out_factor, FP8,
+            o_even = fp8_output(tl.dot(p, v_even, input_precision=DOT_PRECISION), out_factor, FP8,
                                o_ptr.dtype.element_ty)
-            o_odd = _descaled(tl.dot(p, v_odd, input_precision=DOT_PRECISION), out_factor, FP8,
+            o_odd = fp8_output(tl.dot(p, v_odd, input_precision=DOT_PRECISION), out_factor, FP8,
                               o_ptr.dtype.element_ty)
             store_pairs(o_ptr + (head + g) * stride_oh, rows, 0, stride_on, o_even, o_odd, mask, PAIRS, INLINE_ASM)
         return
@@ -362,9 +351,9 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
             sin, cos = load_angles(sinu_ptr, rows, c * PAIRS, half, stride_sn, stride_sd, mask, PAIRS)
             v_words = load_words(v_base, rows, c * PAIRS, stride_vn, mask, PAIRS)
         v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE_V & ROTATE, elem_ty, False)
-        o_even = _descaled(tl.dot(p, v_even, input_precision=DOT_PRECISION), out_factor, FP8,
+        o_even = fp8_output(tl.dot(p, v_even, input_precision=DOT_PRECISION), out_factor, FP8,
                            o_base.dtype.element_ty)
-        o_odd = _descaled(tl.dot(p, v_odd, input_precision=DOT_PRECISION), out_factor, FP8, o_base.dtype.element_ty)
+        o_odd = fp8_output(tl.dot(p, v_odd, input_precision=DOT_PRECISION), out_factor, FP8, o_base.dtype.element_ty)
         store_pairs(o_base, rows, c * PAIRS, stride_on, o_even, o_odd, mask, PAIRS, INLINE_ASM)
 
 
@@ -385,7 +374,7 @@ def _fwd_group(q_ptr, k_base, v_base, o_ptr, start, first_head, rows, row_ok, he
                              other=0.0), FP8 and not FP8_QK)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK, keys)
-        o = _descaled(tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION), out_factor, FP8,
+        o = fp8_output(tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION), out_factor, FP8,
                       o_ptr.dtype.element_ty)
         store_tile(o_ptr + head * stride_oh, rows, 0, stride_on, stride_od, o, mask, CHUNK)
 
@@ -443,12 +432,8 @@ def _block_attention_fwd_kernel(
     mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
             stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
 
-    out_factor = 1.0
-    if FP8:
-        qk_scale_log2 = qk_scale_log2 * tl.load(q_descale_ptr) * tl.load(k_descale_ptr)
-        out_factor = tl.load(v_descale_ptr)
-        if o_ptr.dtype.element_ty == tl.float8e4nv:
-            out_factor = out_factor / tl.load(out_scale_ptr)
+    qk_scale_log2 = fp8_score_scale(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
+    out_factor = fp8_out_factor(v_descale_ptr, out_scale_ptr, FP8, o_ptr.dtype.element_ty)
 
     if ROTATE:
         _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows, row_ok, head_dim,
@@ -481,7 +466,7 @@ def _block_attention_fwd_kernel(
         mask = tile_mask(row_ok, c * CHUNK, head_dim, CHUNK, EVEN_D)
         v = _widened(tl.load(tile_ptrs(v_base, rows, c * CHUNK, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0),
                      FP8)
-        o = _descaled(tl.dot(p, v, input_precision=DOT_PRECISION), out_factor, FP8, o_ptr.dtype.element_ty)
+        o = fp8_output(tl.dot(p, v, input_precision=DOT_PRECISION), out_factor, FP8, o_ptr.dtype.element_ty)
         store_tile(o_base, rows, c * CHUNK, stride_on, stride_od, o, mask, CHUNK)
 
 

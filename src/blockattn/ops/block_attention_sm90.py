@@ -9,10 +9,10 @@ those tiles (``wgmma``): pairs stay interleaved, since a product over the head d
 its terms. The gradients are staged in the tiles that are no longer read and stored 16 bytes per thread; a rotated
 operand's gradient is staged in fp32 and turned back on the way out.
 
-The rotary turns tiles in a layout of rows where each thread holds 4 whole pairs (``_rows_layout``), so that a
-thread loads its pairs' angles 16 bytes at a time. In the products' layout each pair's angle was a load of its own,
-8 cache lines a warp: those loads set the rotary backward's time (H100, `ads` lengths, fp32 angles: with constant
-angles in their place it ran as fast as the plain kernel).
+The rotary turns tiles in a layout of rows where each thread holds 4 whole pairs (``gluon_sm90.rows_layout``), so
+that a thread loads its pairs' angles 16 bytes at a time. In the products' layout each pair's angle was a load of its
+own, 8 cache lines a warp: those loads set the rotary backward's time (H100, `ads` lengths, fp32 angles: with
+constant angles in their place it ran as fast as the plain kernel).
 
 Under GQA, one program per (block, kv head): k and v land and turn once, the group's query heads run in turn with
 the next head's q and dO landing in a second buffer, and dk and dv accumulate in registers across the group. Up to
@@ -72,7 +72,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..block_table import BlockTable
 from . import in_block, tiles
-from .gluon_sm90 import barrier, reinterpret, tma_load
+from .gluon_sm90 import barrier, mma_layout, reinterpret, rows_layout, tma_load
 from .in_block import (
     DROPOUT,
     POS_BIAS,
@@ -122,28 +122,10 @@ def _unpairs(even, odd):
 
 
 @gluon.constexpr_function
-def _mma_layout(rows, cols, warps):
-    """The wgmma accumulator layout of a ``[rows, cols]`` tile over ``warps`` warps: warps down the rows, 16 each,
-    and where a warpgroup has more rows than it needs (8 warps on 64 rows), the warpgroups side by side along the
-    columns, so that each holds half the accumulator."""
-    row_warps = min(warps, rows // 16)
-    col_warps = warps // row_warps
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[row_warps, col_warps],
-                                     instr_shape=[16, cols // col_warps, 16])
-
-
-@gluon.constexpr_function
-def _rows_layout(width, warps):
-    """``[rows, width]`` tiles with 8 consecutive elements a thread (one 16-byte access at 16 bits, two at fp32),
-    the rest of a warp and the ``warps`` warps over the rows: where the rotary turns a tile."""
-    return gl.BlockedLayout([1, 8], [32 * 8 // width, width // 8], [warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
 def _pair_layout(width, warps):
-    """The pair halves (:func:`_pairs`) of a :func:`_rows_layout` tile: 4 consecutive pairs a thread, whose angles
-    load 16 bytes at a time (in the products' layout each pair's angle was a load of its own, 8 cache lines a warp:
-    those loads set the rotary kernels' time)."""
+    """The pair halves (:func:`_pairs`) of a :func:`gluon_sm90.rows_layout` tile: 4 consecutive pairs a thread,
+    whose angles load 16 bytes at a time (in the products' layout each pair's angle was a load of its own, 8 cache
+    lines a warp: those loads set the rotary kernels' time)."""
     return gl.SliceLayout(2, gl.BlockedLayout([1, 4, 2], [32 * 8 // width, width // 8, 1], [warps, 1, 1],
                                               [2, 1, 0]))
 
@@ -174,7 +156,7 @@ def _prepare_tile(tile, sin, cos, row_ok, ROTATE: gl.constexpr, partial):
     """Rotate a landed tile in place by the angles of its columns (:func:`_angles`) when ``ROTATE`` (in fp32,
     rounded back as an unfused rotary would have stored it); either way rows past the block's end become zeros,
     so that the next block's rows add nothing, not even a NaN."""
-    layout: gl.constexpr = _rows_layout(tile.shape[1], gl.num_warps())
+    layout: gl.constexpr = rows_layout(tile.shape[1], gl.num_warps())
     if ROTATE:
         x = tile.load(layout)
         even, odd = _pairs(x)
@@ -195,7 +177,7 @@ def _store_gradient(acc, stage, stage32, base, stride_n, length, sin, cos, ROTAT
     written: through ``stage`` (a tile of the inputs' dtype no longer read), or, for a rotated operand
     (``ROTATE``), turned back in fp32 by its columns' angles (``sin -> -sin``) after staging it as it is in
     ``stage32`` (fp32 shared memory no longer read)."""
-    layout: gl.constexpr = _rows_layout(acc.shape[1], gl.num_warps())
+    layout: gl.constexpr = rows_layout(acc.shape[1], gl.num_warps())
     if ROTATE:
         stage32.store(acc)
         even, odd = _pairs(stage32.load(layout))
@@ -394,8 +376,8 @@ def _block_attention_bwd_sm90_kernel(
     BUFFERS: gl.constexpr = 2 if HEADS > 1 else 1
     PROGRAMS_PER_BLOCK: gl.constexpr = (NUM_HEADS + HEADS - 1) // HEADS
     # Score tiles and gradient tiles in the wgmma accumulator layouts (one warpgroup, or two: _num_warps).
-    scores_layout: gl.constexpr = _mma_layout(BLOCK, BLOCK, gl.num_warps())
-    grad_layout: gl.constexpr = _mma_layout(BLOCK, D, gl.num_warps())
+    scores_layout: gl.constexpr = mma_layout(BLOCK, BLOCK, gl.num_warps(), dtype)
+    grad_layout: gl.constexpr = mma_layout(BLOCK, D, gl.num_warps(), dtype)
 
     pid = gl.program_id(0)
     slot = pid // PROGRAMS_PER_BLOCK
@@ -532,8 +514,8 @@ def _block_attention_bwd_sm90_gqa_kernel(
     D: gl.constexpr = q_desc.block_type.shape[1]
     W: gl.constexpr = D // PARTS
     dtype: gl.constexpr = q_desc.dtype
-    scores_layout: gl.constexpr = _mma_layout(BLOCK, BLOCK, gl.num_warps())
-    part_layout: gl.constexpr = _mma_layout(BLOCK, W, gl.num_warps())
+    scores_layout: gl.constexpr = mma_layout(BLOCK, BLOCK, gl.num_warps(), dtype)
+    part_layout: gl.constexpr = mma_layout(BLOCK, W, gl.num_warps(), dtype)
 
     pid = gl.program_id(0)
     kv_head = pid % NUM_KV_HEADS

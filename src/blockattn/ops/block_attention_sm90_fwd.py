@@ -50,19 +50,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .. import devices
 from ..block_table import BlockTable
 from . import fp8, tiles
-from .block_attention_sm90 import _GL_DTYPES, _descriptor, _mma_layout, _rows_layout
+from .block_attention_sm90 import _GL_DTYPES, _descriptor
 from .flash_attention_sm90 import _zero_values_past
-from .gluon_sm90 import tma_load
+from .gluon_sm90 import mma_layout, rows_layout, tma_load
 from .in_block import InBlock
 from .launch import launch
-from .tiles import LOG2E, same_block, softmax_probs, tile_bounds
+from .tiles import LOG2E, fp8_out_factor, fp8_output, fp8_score_scale, same_block, softmax_probs, tile_bounds
 
 _HEAD_DIMS = (32, 64, 128)
 _MAX_GROUP = 8  # query heads a kv head (the consumers' group loop is unrolled)
 _CONSUMERS = gl.constexpr(2)
 _BATCH = 32  # items whose bounds a program loads at once
 _KV_SLOTS = 2  # k/v slots a consumer
-_FP8_MAX = gl.constexpr(fp8.FP8_MAX)
 _RING_BYTES = 192 * 1024  # the rings' shared memory
 _CONSUMER_REGS = gl.constexpr(232)
 _PRODUCER_REGS = gl.constexpr(40)
@@ -141,7 +140,7 @@ def _q_ready(q_smem, q_ready, qn, Q_SLOTS: gl.constexpr, C: gl.constexpr):
 
 @gluon.jit
 def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr,
-              FP8: gl.constexpr, FP8_OUT: gl.constexpr, C: gl.constexpr):
+              FP8: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup ``C``: the items ``j`` of this program with ``j % _CONSUMERS == C``, every query head of
     each; the next head's ``Q K^T`` runs while this one's softmax does."""
     (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, o_ptr, stride_on, block_seq_ptr, block_cum_ptr, offsets_ptr,
@@ -154,28 +153,24 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
     Q_SLOTS: gl.constexpr = q_smem.shape[0] // _CONSUMERS
     # fp8 scores come from fp8 products (32 deep an instruction); the values are widened to fp16 in shared memory
     # (P V's second operand must be K-major at 8 bits, which a row-major value tile is not).
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, TILE, 32 if FP8 else 16])
-    o_layout: gl.constexpr = _mma_layout(TILE, D, 4)
+    s_layout: gl.constexpr = mma_layout(TILE, TILE, 4, dtype)
     pv_dtype: gl.constexpr = gl.float16 if FP8 else dtype
+    o_layout: gl.constexpr = mma_layout(TILE, D, 4, pv_dtype)
     widen_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // D, D // 16], [4, 1], [1, 0])
     # 16-bit P stays in registers as the second product's first operand: the score accumulator's layout is that
     # operand's (no data moves).
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     # Whole rows, 8 elements a thread: the output's stores (the compiler stages the accumulator through shared
     # memory).
-    out_layout: gl.constexpr = _rows_layout(D, 4)
+    out_layout: gl.constexpr = rows_layout(D, 4)
     offs_i = gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
     offs_j = gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
     rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, out_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, out_layout))
     s_zero = gl.zeros([TILE, TILE], gl.float32, s_layout)
     o_zero = gl.zeros([TILE, D], gl.float32, o_layout)
-    if FP8:
-        qk_scale_log2 = qk_scale_log2 * gl.load(q_descale_ptr) * gl.load(k_descale_ptr)
-        out_factor = gl.load(v_descale_ptr)
-        if FP8_OUT:
-            out_factor = out_factor / gl.load(out_scale_ptr)
+    qk_scale_log2 = fp8_score_scale(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
+    out_factor = fp8_out_factor(v_descale_ptr, out_scale_ptr, FP8, o_ptr.dtype.element_ty)
     count = (num_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
     done = 0
     for first in range(0, count, BATCH):
@@ -226,10 +221,7 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                     o = warpgroup_mma(p, v, o_zero, use_acc=False, is_async=True)
                     o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
                     mbarrier.arrive(kv_empty.index(slot), pred=g == GROUP - 1)
-                    if FP8:
-                        o = o * out_factor
-                        if FP8_OUT:  # saturated: e4m3fn has no infinity
-                            o = gl.minimum(gl.maximum(o, -_FP8_MAX), _FP8_MAX)
+                    o = fp8_output(o, out_factor, FP8, o_ptr.dtype.element_ty)
                     out = gl.convert_layout(o.to(o_ptr.dtype.element_ty), out_layout)
                     base = o_ptr + start * stride_on + (kv_head * GROUP + g) * D
                     gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :], out,
@@ -243,7 +235,7 @@ def _block_attention_fwd_sm90_kernel(
     num_seqs, num_tokens, num_items, qk_scale_log2, stride_on, q_descale_ptr, k_descale_ptr, v_descale_ptr,
     out_scale_ptr,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, KV_SLOTS: gl.constexpr,
-    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr, FP8: gl.constexpr, FP8_OUT: gl.constexpr,
+    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr, FP8: gl.constexpr,
 ):
     TILE: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -273,8 +265,8 @@ def _block_attention_fwd_sm90_kernel(
             v_descale_ptr, out_scale_ptr)
     loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr,
              block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items)
-    gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, FP8_OUT, 0)),
-                        (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, FP8_OUT, 1)),
+    gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 0)),
+                        (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 1)),
                         (_producer, (loads, NUM_KV_HEADS, GROUP, BLOCKS, BATCH))],
                        [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
@@ -361,7 +353,6 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         **table.kernel_args(offsets), num_tokens=n, num_items=num_items, qk_scale_log2=scale * LOG2E,
         stride_on=out.stride(0), **(fp8.no_scales_args(out) if fp8_scales is None else fp8_scales.kernel_args()),
         NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=_KV_SLOTS,
-        Q_SLOTS=_q_slots(d, h // kv_heads, q.element_size()), BATCH=_BATCH, FP8=fp8_scales is not None,
-        FP8_OUT=fp8_scales is not None and fp8_scales.out_dtype == fp8.FP8_DTYPE, num_warps=4,
+        Q_SLOTS=_q_slots(d, h // kv_heads, q.element_size()), BATCH=_BATCH, FP8=fp8_scales is not None, num_warps=4,
     )
     return out

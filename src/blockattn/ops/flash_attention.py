@@ -44,7 +44,7 @@ import triton.language as tl
 from ..block_table import BlockTable
 from . import tiles
 from .launch import launch, not_replayable
-from .tiles import LOG2E, column_mask, load_or_zero
+from .tiles import LOG2E, column_mask, fp8_score_scale, load_or_zero
 
 P_SCALE = tl.constexpr(256.0)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -225,13 +225,6 @@ def _finish(acc, m_i, l_i):
 
 
 @triton.jit
-def _descaled(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8: tl.constexpr):
-    if FP8:
-        qk_scale_log2 = qk_scale_log2 * tl.load(q_descale_ptr) * tl.load(k_descale_ptr)
-    return qk_scale_log2
-
-
-@triton.jit
 def _unmasked_end(m0, sk, shift, end, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Where a program's key tiles that need a mask begin (a multiple of ``BLOCK_N``, at most ``end``): the tiles
     before it hold keys below ``sk`` that, under ``CAUSAL``, its first row ``m0`` sees too (``j <= m0 + shift``),
@@ -284,7 +277,7 @@ def _flash_fwd_kernel(
     else:
         k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
         v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    qk_scale = _descaled(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
+    qk_scale = fp8_score_scale(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
     shift = sk - sq if BOTTOM_RIGHT else 0
     end = _key_end(m0, sq, sk, BLOCK_M, CAUSAL, BOTTOM_RIGHT)
     end = tl.where(valid, end, 0)

@@ -63,7 +63,6 @@ from .. import devices
 from ..block_table import BlockTable
 from .flash_attention import (
     FlashConfig,
-    _descaled,
     _finish,
     _key_end,
     _key_mask,
@@ -72,9 +71,9 @@ from .flash_attention import (
     outputs_and_sequences,
     transposed_values,
 )
-from .gluon_sm90 import tma_load
+from .gluon_sm90 import mma_layout, rows_layout, tma_load
 from .launch import launch
-from .tiles import LOG2E
+from .tiles import LOG2E, fp8_score_scale
 
 HEAD_DIMS = (64, 128, 256)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
@@ -218,19 +217,17 @@ def _consumer(tensors, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT:
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
-    # An instruction's reduction depth is 32 bytes; a register operand packs 4 bytes a thread along it.
-    depth: gl.constexpr = 256 // dtype.primitive_bitwidth
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, depth])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, depth])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=depth // 8)
+    s_layout: gl.constexpr = mma_layout(ROWS, BLOCK_N, 4, dtype)
+    o_layout: gl.constexpr = mma_layout(ROWS, D, 4, dtype)
+    # A register operand packs 4 bytes a thread along the reduction.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // dtype.primitive_bitwidth)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # Whole rows, 8 elements a thread: the output's stores.
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+    out_layout: gl.constexpr = rows_layout(D, 4)
     # fp8 P comes out of the exponent times P_SCALE = 2^8 (and the row sums with it).
     p_shift: gl.constexpr = 8.0 if FP8 else 0.0
-    qk_scale_log2 = _descaled(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
+    qk_scale_log2 = fp8_score_scale(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
     q = q_smem.index(C)
     p_buf = p_smem.index(C)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -299,9 +296,9 @@ def _consumer(tensors, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT:
         if FP8:
             out = out * gl.load(v_descale_ptr)
         # 16 bytes a thread or more per store (the compiler stages the accumulator through shared memory).
-        out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), rows_layout)
-        rows = C * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rows_layout))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
+        out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), out_layout)
+        rows = C * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, out_layout))
         o_base = o_ptr + batch.to(gl.int64) * stride_ob + (q_start + m0).to(gl.int64) * stride_on + head * stride_oh
         gl.store(o_base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :], out,
                  mask=(rows < rows_left)[:, None])

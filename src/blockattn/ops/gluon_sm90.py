@@ -1,5 +1,5 @@
-"""What the Hopper Gluon kernels import whose name moved between triton releases (3.6 on, the oldest with Gluon's
-Hopper API that the kernels need)."""
+"""What the Hopper Gluon kernels share: the register layouts they all use, and what they import whose name moved
+between triton releases (3.6 on, the oldest with Gluon's Hopper API that the kernels need)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -25,4 +25,26 @@ else:  # triton 3.6 names it _reinterpret
         """``memory`` (shared) seen as ``shape`` of ``dtype`` in ``layout``."""
         return memory._reinterpret(dtype, shape, layout)
 
-__all__ = ["barrier", "reinterpret", "tma_load"]
+
+
+@gluon.constexpr_function
+def mma_layout(rows, cols, warps, operand_dtype):
+    """The wgmma accumulator layout of a ``[rows, cols]`` tile over ``warps`` warps, for products of
+    ``operand_dtype`` operands (an instruction reduces 32 bytes: 16 deep at 16 bits, 32 at fp8): warps down the rows,
+    16 each, and where a warpgroup has more rows than it needs (8 warps on 64 rows), the warpgroups side by side
+    along the columns, so that each holds half the accumulator."""
+    row_warps = min(warps, rows // 16)
+    col_warps = warps // row_warps
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[row_warps, col_warps],
+                                     instr_shape=[16, cols // col_warps, 256 // operand_dtype.primitive_bitwidth])
+
+
+@gluon.constexpr_function
+def rows_layout(width, warps):
+    """``[rows, width]`` tiles with 8 consecutive elements a thread (one 16-byte access at 16 bits, two at fp32),
+    the rest of a warp and the ``warps`` warps over the rows: where the kernels store whole rows, and where the
+    rotary turns a tile."""
+    return gl.BlockedLayout([1, 8], [32 * 8 // width, width // 8], [warps, 1], [1, 0])
+
+
+__all__ = ["barrier", "mma_layout", "reinterpret", "rows_layout", "tma_load"]

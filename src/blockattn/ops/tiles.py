@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8
+
 # The operands a fused rotary turns, as bits of the ``rotate`` mask that the ops and kernels (``ROTATE``) take. The
 # kernels read these constexprs (constant first, ``ROTATE_Q & ROTATE``: Triton's interpreter passes ``ROTATE`` as a
 # plain int, which cannot take a constexpr on its right); Python code reads the ints below.
@@ -173,6 +175,40 @@ def same_block(offs_i, offs_j, second, third, fourth):
 
 
 LOG2E = 1.4426950408889634  # softmax_probs takes the scale times this: exp(x) = exp2(x * log2(e))
+# fp8 outputs saturate to e4m3fn's largest finite value (kernels read globals as constexprs).
+FP8_MAX = tl.constexpr(fp8.FP8_MAX)
+
+
+@triton.jit
+def fp8_score_scale(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8: tl.constexpr):
+    """The score scale of a forward on fp8 inputs: times ``q_descale * k_descale``, read on the device (``ops.fp8``);
+    other forwards' as it is."""
+    if FP8:
+        qk_scale_log2 = qk_scale_log2 * tl.load(q_descale_ptr) * tl.load(k_descale_ptr)
+    return qk_scale_log2
+
+
+@triton.jit
+def fp8_out_factor(v_descale_ptr, out_scale_ptr, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """What the block forward on fp8 inputs multiplies its output by (:func:`fp8_output`): ``v_descale``, over
+    ``out_scale`` for an fp8 output."""
+    factor = 1.0
+    if FP8:
+        factor = tl.load(v_descale_ptr)
+        if OUT_DTYPE == tl.float8e4nv:
+            factor = factor / tl.load(out_scale_ptr)
+    return factor
+
+
+@triton.jit
+def fp8_output(o, out_factor, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """An output tile of the block forward on fp8 inputs times ``out_factor`` (:func:`fp8_out_factor`), saturated
+    for an fp8 output (e4m3fn has no infinity); other forwards' as it is."""
+    if FP8:
+        o = o * out_factor
+        if OUT_DTYPE == tl.float8e4nv:
+            o = tl.minimum(tl.maximum(o, -FP8_MAX), FP8_MAX)
+    return o
 
 
 @triton.jit
