@@ -2,6 +2,7 @@
 CPU path, through the launchers and through the public autograd op."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,7 +25,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockattn
-from blockattn.block_table import SLOT_GROUP, BlockTable, build_block_table, kernel_table, max_blocks
+from blockattn import backends
+from blockattn.backends import AttentionCall
+from blockattn.block_table import (
+    SLOT_GROUP,
+    BlockTable,
+    OffsetsOnly,
+    build_block_table,
+    kernel_table,
+    max_blocks,
+)
 from blockattn.ops import block_attention as triton_ops
 from blockattn.ops import in_block, tiles
 from blockattn.ops.in_block import PLAIN
@@ -103,6 +113,41 @@ def test_forward_tiles_of_small_blocks(block_size, poisoned_outputs, monkeypatch
         exact = reference_grads(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=rotate)[0]
         close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
         torch.testing.assert_close(out.float(), exact.float(), **close)
+
+
+@pytest.mark.parametrize("block_size,offsets_dtype", [(16, torch.int32), (64, torch.int64)])
+def test_forward_without_a_table(block_size, offsets_dtype, poisoned_outputs):
+    """Without a block table (``OffsetsOnly``) each program of the forward finds its block in the offsets: the same
+    output, bitwise, as on the table. Odd lengths with empty sequences; more sequences than one chunk of the search
+    (``tiles.OFFSETS_CHUNK``), whose blocks the programs past the first chunk's find; packed tiles of small blocks
+    (under GQA, with a rotary); int32 and int64 offsets."""
+    many = [(i * 7) % 5 for i in range(int(tiles.OFFSETS_CHUNK.value) + 9)] + [block_size + 1]
+    for lengths, (hq, hkv), rotate in ((odd_lengths(block_size), (4, 2), 0), (many, (2, 2), 0),
+                                       (odd_lengths(block_size) + [0, 5], (2, 2), ROTATE_ALL), ([], (2, 1), 0)):
+        q, k, v, _, offsets = random_inputs(lengths, hq, hkv, 32, torch.float32, KERNEL_DEVICE, offsets_dtype)
+        sinu_pos = random_angles(q.shape[0], 32, device=KERNEL_DEVICE) if rotate else None
+        n = q.shape[0]
+        args = (block_size, 32**-0.5, sinu_pos, rotate)
+        on_table = triton_ops.block_attention_fwd_triton(q, k, v, offsets, build_block_table(offsets, n, block_size),
+                                                         *args)
+        searched = triton_ops.block_attention_fwd_triton(
+            q, k, v, offsets, OffsetsOnly(max_blocks(n, len(lengths), block_size)), *args)
+        assert torch.equal(searched, on_table), f"lengths {lengths}"
+
+
+def test_forward_without_a_table_rule():
+    """The Triton forward runs without a table on up to ``FIND_BLOCKS_MAX_SEQS`` sequences, one block a program (not
+    on tiles of several), but with a time bias (whose buckets' table is built from the block table); its backward
+    always takes one."""
+    call = AttentionCall("fwd", torch.device("cuda"), torch.bfloat16, 4, 4, 128, 64)
+    most = triton_ops.FIND_BLOCKS_MAX_SEQS
+    finds = backends.BACKENDS["triton"].finds_blocks
+    assert finds(call, 0) and finds(call, most) and not finds(call, most + 1)
+    assert finds(replace(call, block_size=16), 1) and not finds(replace(call, block_size=16, num_kv_heads=2), 1)
+    assert finds(replace(call, in_block=in_block.CAUSAL.value | in_block.POS_BIAS.value | in_block.DROPOUT.value), 1)
+    assert not finds(replace(call, in_block=in_block.TIME_BIAS.value), 1)
+    assert not finds(replace(call, pass_name="bwd"), 1)
+    assert all(b.finds_blocks is None for name, b in backends.BACKENDS.items() if name != "triton")
 
 
 def test_small_blocks_tile_rule():

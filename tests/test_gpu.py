@@ -26,9 +26,11 @@ from conftest import (
 )
 
 import blockattn
-from blockattn import backends, devices
+from blockattn import backends, custom_ops, devices
 from blockattn.backends import AttentionCall
 from blockattn.checks import rotate_mask
+from blockattn.ops import block_attention as triton_ops
+from blockattn.ops import launch, plans
 from blockattn.ops.tiles import ROTATE_ALL
 from blockattn.reference import rotary_reference, snr_db
 
@@ -173,12 +175,14 @@ def test_more_than_2_pow_31_elements(hq, hkv, rotary, gpu_memory_alone):
     "blockattn.block_attention(q, q, q, torch.tensor([1, 7, 10], device='cuda'))",
     "blockattn.block_attention(q, q, q, torch.tensor([0, 7, 3, 10], device='cuda', dtype=torch.int32))",
     "blockattn.block_attention(q, q, q, torch.tensor([0, 7, 9], device='cuda'))",
+    "blockattn.block_attention(q, q, q, torch.tensor([1] * 70 + [10], device='cuda'))",
     "blockattn.block_layout(torch.tensor([0, 7, 3, 10], device='cuda'), 10)",
     ("blockattn.flash_attention_varlen(q, q, q, *[torch.tensor([0, 7, 10], device='cuda', dtype=torch.int32)] * 2,"
      " max_seqlen_q=5, max_seqlen_k=7)"),
-], ids=["start", "decreasing", "end", "layout", "max_seqlen"])
+], ids=["start", "decreasing", "end", "start-of-many", "layout", "max_seqlen"])
 def test_bad_offsets_trip_device_assert(call):
-    """Offsets on the GPU are checked without a host sync, by the table kernel's assertion: a bad value (a first
+    """Offsets on the GPU are checked without a host sync, by the table kernel's assertion, or on few sequences the
+    forward kernel's, which runs without a table (``OffsetsOnly``; 70 sequences take a table): a bad value (a first
     offset other than 0, a decreasing one, a last one other than N, a sequence above the max_seqlen hint) fails the
     next synchronising call."""
     script = f"import torch, blockattn\nq = torch.randn(10, 2, 64, device='cuda', dtype=torch.bfloat16)\n{call}\n" \
@@ -187,6 +191,43 @@ def test_bad_offsets_trip_device_assert(call):
     assert result.returncode != 0 and "no assertion" not in result.stdout
     assert "device-side assert" in result.stderr
     assert "blockattn: bad offsets or cu_seqlens" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("num_seqs", [3, 64, 65])
+def test_eager_forward_without_a_table(num_seqs, monkeypatch, poisoned_outputs):
+    """An eager call on up to 64 sequences runs the Triton forward without a block table (the table kernel's launch
+    and allocations are host time a small batch's kernel does not need), and its backward builds the table itself;
+    on more sequences the forward builds it, and the backward reads it. Without a gradient, no table at all. The
+    results are the reference's either way."""
+    built = []
+    build = custom_ops.build_block_table
+    monkeypatch.setattr(custom_ops, "build_block_table", lambda *args: built.append(args) or build(*args))
+    plans.forget()
+    lengths = torch.randint(0, 150, (num_seqs,)).tolist()
+    q, k, v, do, offsets = random_inputs(lengths, 4, 4, 128, torch.bfloat16, "cuda")
+    tableless = num_seqs <= triton_ops.FIND_BLOCKS_MAX_SEQS
+    with torch.no_grad():
+        out = blockattn.block_attention(q, k, v, offsets)
+    assert len(built) == (0 if tableless else 1)
+    built.clear()
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    results = [blockattn.block_attention(*leaves, offsets)]
+    assert len(built) == (0 if tableless else 1)
+    results[0].backward(do)
+    assert len(built) == 1
+    # Repeated, the calls launch their compiled kernels straight away (a key for a pointer passed as None), and
+    # replay their plans.
+    through_triton = []
+    monkeypatch.setattr(launch, "_through_triton", lambda *args: through_triton.append(args))
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(blockattn.block_attention(q, k, v, offsets), out, rtol=0, atol=0)
+    assert not through_triton
+    exact = reference_grads(q, k, v, do, offsets, 64)
+    for name, got, ref, floor in zip(("inference out", "out", "dq", "dk", "dv"),
+                                     [out, *results, *(t.grad for t in leaves)], [exact[0], *exact],
+                                     (40, 40, 45, 45, 45)):
+        assert snr_db(got, ref) > floor, f"{name}: SNR {snr_db(got, ref):.1f} dB"
 
 
 # --- rotary: apply_rotary, fused into the kernels, and the packed projection ----------------------------------------

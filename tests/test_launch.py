@@ -45,13 +45,18 @@ def test_keys_of_the_same_specialisation_are_equal(key):
 
 @pytest.mark.parametrize(("made_for", "other"), [
     (1, True), (1, 1.0), (1, torch.zeros(1)), (1, None),
-    (torch.zeros(1), 1), (torch.zeros(1), None),
+    (torch.zeros(1), 1), (torch.zeros(1), None), (torch.zeros(1), torch.zeros(1, dtype=torch.int32)),
+    (None, torch.zeros(1)),
 ])
-def test_a_key_function_raises_for_an_argument_of_another_kind(made_for, other):
-    """A launcher that passes another kind of argument than the first launch did goes through Triton instead of
-    getting a key that could not tell that argument's specialisations apart."""
+def test_a_key_function_tells_apart_arguments_of_another_kind(made_for, other, key):
+    """A launcher may pass another kind of argument than the first launch did (None for an optional pointer, which
+    Triton takes as a constexpr): the key function written for the first kind gives it a key of its own, the one
+    :func:`_key_of` gives it, never the first argument's."""
+    made = launch._key_function((made_for,), (False,))
+    assert made((other,)) != made((made_for,))
+    assert made((other,)) == (launch._key_of(other, False),)
     with pytest.raises(launch._Uncached):
-        launch._key_function((made_for,), (False,))((other,))
+        made(([1, 2],))
 
 
 def test_unknown_argument_types_are_not_cached(key):
@@ -86,6 +91,33 @@ def test_cached_launches_run_the_right_kernel():
             want[:n * stride:stride] = x[:n * stride:stride] * 2
             torch.testing.assert_close(y, want, rtol=0, atol=0)
     assert launch.cached_keys(_scaled_copy) - before == len(cases)
+
+
+@triton.jit
+def _copy_maybe_scaled(x_ptr, y_ptr, factor_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    if factor_ptr is not None:
+        x = x * tl.load(factor_ptr)
+    tl.store(y_ptr + offs, x, mask=offs < n)
+
+
+@requires_gpu
+def test_an_optional_pointer_left_out_is_cached_too(monkeypatch):
+    """A pointer passed as a tensor, then as None (Triton compiles another kernel: a constexpr None), then as a
+    tensor again: each kind gets its compiled kernel in the cache, and every launch after the first of its kind
+    skips Triton's runner."""
+    through_triton = []
+    run = launch._through_triton
+    monkeypatch.setattr(launch, "_through_triton", lambda *args: through_triton.append(args) or run(*args))
+    x = torch.randn(300, device="cuda")
+    factor = torch.full((1,), 3.0, device="cuda")
+    for round_ in range(3):
+        for scale in (factor, None):
+            y = torch.zeros_like(x)
+            launch.launch(_copy_maybe_scaled, (3,), x_ptr=x, y_ptr=y, factor_ptr=scale, n=300, BLOCK=128)
+            torch.testing.assert_close(y, x * 3 if scale is not None else x, rtol=0, atol=0)
+        assert len(through_triton) == 2 and launch.cached_keys(_copy_maybe_scaled) == 2, f"round {round_}"
 
 
 @requires_gpu
@@ -137,8 +169,8 @@ def test_descriptor_keys_tell_apart_their_settings_and_alignment(key):
     assert key(descriptor(x)) == key(descriptor(x[64:]))  # another tile of the same kind
     assert key(descriptor(x)) != key(descriptor(x, rows=32))  # block shape
     assert key(descriptor(x)) != key(descriptor(x.view(-1)[8:8 + 255 * 64].view(255, 64)))  # 16-byte alignment
-    with pytest.raises(launch._Uncached):
-        launch._key_function((descriptor(x),), (False,))((x,))
+    made = launch._key_function((descriptor(x),), (False,))
+    assert made((x,)) == (launch._key_of(x, False),) != made((descriptor(x),))  # a tensor in its place
 
 
 # --- direct launches (a call plan's replays) ---------------------------------------------------------------------

@@ -277,9 +277,10 @@ def test_gpu_flash_attention_replays(dtype, causal, varlen, variant):
 
 @requires_gpu
 def test_gpu_replayed_launches_go_direct_but_to_a_launch_hook():
-    """A replayed forward launches its two Triton kernels (the block table's, the attention's) by ``cuLaunchKernel``
-    (``launch.DirectLaunch``) with the recorded kernel, grid and arguments on the new tensors; on Hopper the
-    backward's Gluon kernel too, its host tensor descriptors' maps encoded on the new tensors. While a Triton
+    """A replayed forward launches its Triton kernel by ``cuLaunchKernel`` (``launch.DirectLaunch``) with the recorded
+    kernel, grid and arguments on the new tensors (one: on three sequences it finds its blocks without a table), and
+    so does the backward its table's and, on Hopper, its Gluon kernel, whose host tensor descriptors' maps are
+    encoded on the new tensors. While a Triton
     launch hook (a profiler's) is installed, through Triton, which calls it. All bitwise as a fresh run."""
     from triton import knobs
 
@@ -294,8 +295,9 @@ def test_gpu_replayed_launches_go_direct_but_to_a_launch_hook():
         call(randn(4), randn(4), randn(4), randn(4))
     forward, backward = (next(p for p in fn.plans.values() if isinstance(p, plans.Plan))
                          for fn in (custom_ops._block_attention_forward, custom_ops._block_attention_backward))
-    assert sum(hasattr(step, "direct") for step in forward.steps) == 2
+    assert sum(hasattr(step, "direct") for step in forward.steps) == 1
     directs = [step.direct for step in backward.steps if hasattr(step, "direct")]
+    assert len(directs) == 2
     if torch.cuda.get_device_capability()[0] == 9:
         assert any(direct.maps for direct in directs)
     inputs = (randn(4), randn(4), randn(4), randn(4))
@@ -307,7 +309,7 @@ def test_gpu_replayed_launches_go_direct_but_to_a_launch_hook():
         hooked = call(*inputs)
     finally:
         hooks.remove(launched.append)
-    assert len(launched) >= 2 + len(directs)
+    assert len(launched) >= 1 + len(directs)
     plans.forget()
     fresh = call(*inputs)
     for got_replayed, got_hooked, want in zip(replayed, hooked, fresh):

@@ -9,7 +9,8 @@ kernels do not serve (a GPU older than Ampere, say) still runs, in PyTorch.
 Launchers:
 
 - ``forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, fp8_scales) -> out``
-  (``fp8_scales``: ``ops.fp8.Fp8Scales`` of float8 inputs, or None)
+  (``fp8_scales``: ``ops.fp8.Fp8Scales`` of float8 inputs, or None; ``table`` a ``block_table.BlockTable``, or a
+  ``block_table.OffsetsOnly`` where the backend's ``finds_blocks`` says its kernel needs none)
 - ``backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, grads)
   -> (dpos_bias, dtime_bias)``: writes ``(dq, dk, dv)`` into ``grads`` (new tensors, or views of one packed buffer)
   and returns the gradients of the in-block biases (``ops.in_block.InBlock``; None where absent).
@@ -125,6 +126,8 @@ class Backend:
     why_not: Callable[[AttentionCall], str | None]
     forward: Callable | None = None
     backward: Callable | None = None
+    # ``finds_blocks(call, num_seqs)``: whether the forward runs ``call`` without a block table (None: never).
+    finds_blocks: Callable[[AttentionCall, int], bool] | None = None
 
     @functools.cached_property  # read at every call (select): computed once
     def passes(self) -> tuple[str, ...]:
@@ -152,7 +155,8 @@ BACKENDS: dict[str, Backend] = {
                 backward=None if sm90_ops is None else sm90_ops.block_attention_bwd_sm90),
         Backend("triton", "Triton kernels, every supported shape, NVIDIA GPUs from Ampere on (the float8 forward "
                 "from Ada on)", _triton_why_not,
-                forward=triton_ops.block_attention_fwd_triton, backward=triton_ops.block_attention_bwd_triton),
+                forward=triton_ops.block_attention_fwd_triton, backward=triton_ops.block_attention_bwd_triton,
+                finds_blocks=triton_ops.finds_blocks),
         Backend("torch", "PyTorch ops on padded blocks, any device (the CPU path; the fallback elsewhere)",
                 _torch_why_not, forward=torch_ops.block_attention_fwd_torch,
                 backward=torch_ops.block_attention_bwd_torch),

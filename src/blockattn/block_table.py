@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .devices import kernels_run_on
 from .ops.launch import launch
+from .ops.tiles import assert_offsets, sequence_blocks
 
 
 class BlockTable(NamedTuple):
@@ -48,14 +49,17 @@ def max_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
     return -(-bound // SLOT_GROUP) * SLOT_GROUP
 
 
-@triton.jit
-def _sequence_blocks(offsets_ptr, idx, num_seqs, BLOCK_SIZE: tl.constexpr):
-    """Lengths and block counts of sequences ``idx`` (0 past the last; a negative length, from bad offsets, counts no
-    block, so that the slots stay in order)."""
-    in_range = idx < num_seqs
-    length = (tl.load(offsets_ptr + idx + 1, mask=in_range, other=0)
-              - tl.load(offsets_ptr + idx, mask=in_range, other=0)).to(tl.int32)
-    return length, tl.where(in_range, (tl.maximum(length, 0) + BLOCK_SIZE - 1) // BLOCK_SIZE, 0)
+class OffsetsOnly(NamedTuple):
+    """No block table: what a call passes, in place of a :class:`BlockTable`, to a forward whose kernel finds each
+    grid slot's block in the offsets itself (``backends.Backend.finds_blocks``: on batches of few sequences, where
+    building a table took a launch and two allocations of host time, more than the kernel's search costs it) and
+    asserts that they are valid (``ops.tiles.assert_offsets``). ``num_slots``: the grid's slots, :func:`max_blocks`."""
+
+    num_slots: int
+
+    def kernel_args(self, offsets: torch.Tensor) -> dict:
+        """:meth:`BlockTable.kernel_args` without a table (``ops.tiles.block_bounds`` then searches the offsets)."""
+        return {"block_seq_ptr": None, "block_cum_ptr": None, "offsets_ptr": offsets, "num_seqs": offsets.numel() - 1}
 
 
 @triton.jit
@@ -73,9 +77,9 @@ def _block_table_kernel(offsets_ptr, block_cum_ptr, block_seq_ptr, ok_ptr, num_s
     first = pid * SEQS
     before = tl.zeros((), dtype=tl.int32)
     for chunk in range(0, first, CHUNK):
-        before += tl.sum(_sequence_blocks(offsets_ptr, chunk + tl.arange(0, CHUNK), first, BLOCK_SIZE)[1], axis=0)
+        before += tl.sum(sequence_blocks(offsets_ptr, chunk + tl.arange(0, CHUNK), first, BLOCK_SIZE)[1], axis=0)
     idx = first + tl.arange(0, SEQS)
-    nblocks = _sequence_blocks(offsets_ptr, idx, num_seqs, BLOCK_SIZE)[1]
+    nblocks = sequence_blocks(offsets_ptr, idx, num_seqs, BLOCK_SIZE)[1]
     cum = tl.cumsum(nblocks, axis=0) + before
     tl.store(block_cum_ptr + idx, cum, mask=idx < num_seqs)
     if FILL:
@@ -90,11 +94,7 @@ def _block_table_kernel(offsets_ptr, block_cum_ptr, block_seq_ptr, ok_ptr, num_s
                 slot = slot0 + tl.arange(0, SLOTS)
                 tl.store(block_seq_ptr + slot, num_seqs, mask=slot < num_slots)
     if pid == 0:
-        ok = (tl.load(offsets_ptr) == 0) & (tl.load(offsets_ptr + num_seqs) == num_tokens)
-        for chunk in range(0, num_seqs, CHUNK):
-            length = _sequence_blocks(offsets_ptr, chunk + tl.arange(0, CHUNK), num_seqs, BLOCK_SIZE)[0]
-            ok = ok & (tl.min(length, axis=0) >= 0) & (tl.max(length, axis=0) <= max_len)
-        tl.device_assert(ok, _BAD_OFFSETS)
+        ok = assert_offsets(offsets_ptr, num_seqs, num_tokens, max_len, CHUNK)
         if ok_ptr is not None:
             tl.store(ok_ptr, ok)
 
@@ -102,9 +102,6 @@ def _block_table_kernel(offsets_ptr, block_cum_ptr, block_seq_ptr, ok_ptr, num_s
 # Sequences per program of the table kernel: each program fills its sequences' slots in turn, so few sequences per
 # program keep long ones (the `long` preset's 64 blocks a sequence) from serialising; 72-256 programs at the presets.
 _TABLE_SEQS = 16
-# The table kernel's assertion (one message for every name: a compiled kernel's message is fixed).
-_BAD_OFFSETS = tl.constexpr("blockattn: bad offsets or cu_seqlens: they must start at 0, be non-decreasing and end at "
-                            "N, with no sequence above max_seqlen where that is given")
 
 
 def kernel_table(offsets: torch.Tensor, num_tokens: int, block_size: int, max_len: int | None = None,

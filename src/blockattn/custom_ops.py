@@ -30,7 +30,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from . import backends
 from .backends import FLASH_BACKENDS, AttentionCall, FlashCall
-from .block_table import BlockTable, build_block_table, check_offsets, empty_block_table
+from .block_table import BlockTable, OffsetsOnly, build_block_table, check_offsets, empty_block_table, max_blocks
 from .devices import kernels_run_on
 from .ops import fp8, in_block, tiles
 from .ops.block_attention_torch import rotary_torch
@@ -84,13 +84,21 @@ def _rotate_mask(sinu_pos, rotate: int) -> int:
 
 def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InBlock, block_cum, block_seq,
              fp8_scales: Fp8Scales | None = None) -> tuple[torch.Tensor, BlockTable | None, torch.Tensor | None]:
-    """``(out, table, buckets)``: the block table is built here unless a layout's is given (then ``table`` is None),
-    and the time buckets' table where :func:`_builds_buckets` (else ``buckets`` is None), then the forward runs by
-    the backend the dispatcher picks."""
+    """``(out, table, buckets)``: the forward by the backend the dispatcher picks, on the table given (a layout's,
+    or the forward op's), else without one where the backend's kernel finds its blocks itself
+    (``Backend.finds_blocks``), else on one built here, which it returns (``table``; else None) for the backward;
+    and the time buckets' table where :func:`_builds_buckets` (else ``buckets`` is None). Only the eager route
+    passes no table: the forward op's outputs hold one (:func:`_op_table`)."""
     rotate = _rotate_mask(sinu_pos, rotate)
-    backend = backends.select(AttentionCall.of("fwd", q, k, block_size, rotate, options.bits, tensors=(q, k, v)))
-    built = build_block_table(offsets, q.shape[0], block_size) if block_cum is None else None
-    table = BlockTable(block_cum, block_seq) if built is None else built
+    call = AttentionCall.of("fwd", q, k, block_size, rotate, options.bits, tensors=(q, k, v))
+    backend = backends.select(call)
+    built = None
+    if block_cum is not None:
+        table = BlockTable(block_cum, block_seq)
+    elif backend.finds_blocks is not None and backend.finds_blocks(call, offsets.shape[0] - 1):
+        table = OffsetsOnly(max_blocks(q.shape[0], offsets.shape[0] - 1, block_size))
+    else:
+        table = built = build_block_table(offsets, q.shape[0], block_size)
     buckets = None
     if _builds_buckets(q, options.time_bias, options.buckets):
         buckets = in_block.call_buckets(options, offsets, table, block_size)
@@ -130,6 +138,11 @@ def _saved_buckets(input_buckets: torch.Tensor | None, output_buckets: torch.Ten
     return output_buckets if output_buckets is not None and output_buckets.numel() else input_buckets
 
 
+# The forward ops' table, built before their implementation runs (which, given none, might build none), so that
+# they return it as their fakes say; planned, as the table's steps were in the forward's plan.
+_op_table = planned(build_block_table)
+
+
 def _no_table(offsets: torch.Tensor) -> BlockTable:
     return BlockTable(offsets.new_empty(0, dtype=torch.int32), offsets.new_empty(0, dtype=torch.int32))
 
@@ -139,8 +152,19 @@ def _fwd_table_fakes(offsets, num_tokens, block_size, block_cum) -> BlockTable:
 
 
 def _saved_table(inputs_table: tuple, output_table: tuple | None) -> tuple:
-    """The table the backward reads: the layout's (inputs) where one was given, else the one the forward built."""
-    return inputs_table if inputs_table[0] is not None else output_table
+    """The table the backward reads: the layout's (inputs) where one was given, else the one the forward built, else
+    ``(None, None)``: the forward ran without one, and the backward builds its own."""
+    if inputs_table[0] is not None:
+        return inputs_table
+    return (None, None) if output_table is None else output_table
+
+
+def _backward_table(offsets: torch.Tensor, num_tokens: int, block_size: int, block_cum: torch.Tensor | None,
+                    block_seq: torch.Tensor | None) -> BlockTable:
+    """The backward's table: the saved one (:func:`_saved_table`), or one built here."""
+    if block_cum is None:
+        return build_block_table(offsets, num_tokens, block_size)
+    return BlockTable(block_cum, block_seq)
 
 
 def _backward(grad_out, q, k, v, offsets, sinu_pos, table, block_size, scale, rotate, options: InBlock, grads):
@@ -290,10 +314,12 @@ def _block_attention_fwd(
     table it built for its backward, or a 0-element tensor (:func:`_builds_buckets`). float8 inputs come with their
     descales and the output's dtype (and scale, for an fp8 output): ``ops.fp8``. ``time_buckets``: a layout's table
     of time buckets (:func:`time_bucket_table`), or None."""
-    return _op_outputs(*_block_attention_forward(
+    built = None if block_cum is not None else _op_table(offsets, q.shape[0], block_size)
+    out, _, buckets = _block_attention_forward(
         q, k, v, offsets, sinu_pos, block_size, scale, rotate, causal, pos_bias, timestamps, time_bias,
-        time_bucket_width, dropout_p, dropout_seed, block_cum, block_seq, q_descale, k_descale, v_descale, out_scale,
-        out_dtype, time_buckets), offsets)
+        time_bucket_width, dropout_p, dropout_seed, *(built or (block_cum, block_seq)), q_descale, k_descale,
+        v_descale, out_scale, out_dtype, time_buckets)
+    return _op_outputs(out, built, buckets, offsets)
 
 
 block_attention_fwd = torch.library.custom_op("blockattn::block_attention_fwd", _block_attention_fwd, mutates_args=())
@@ -318,7 +344,8 @@ def _block_attention_backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, b
     grads = (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
                       time_buckets)
-    bias_grads = _backward(grad_out, q, k, v, offsets, sinu_pos, BlockTable(block_cum, block_seq), block_size, scale,
+    bias_grads = _backward(grad_out, q, k, v, offsets, sinu_pos,
+                           _backward_table(offsets, q.shape[0], block_size, block_cum, block_seq), block_size, scale,
                            rotate, options, grads)
     return *grads, *bias_grads
 
@@ -398,9 +425,11 @@ def _qkv_block_attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block attention on the heads of a packed projection, read in place through strides; the outputs of
     :func:`_block_attention_fwd`."""
-    return _op_outputs(*_qkv_block_attention_forward(
+    built = None if block_cum is not None else _op_table(offsets, qkv.shape[0], block_size)
+    out, _, buckets = _qkv_block_attention_forward(
         qkv, offsets, sinu_pos, num_heads, num_kv_heads, block_size, scale, rotate, causal, pos_bias, timestamps,
-        time_bias, time_bucket_width, dropout_p, dropout_seed, block_cum, block_seq, time_buckets), offsets)
+        time_bias, time_bucket_width, dropout_p, dropout_seed, *(built or (block_cum, block_seq)), time_buckets)
+    return _op_outputs(out, built, buckets, offsets)
 
 
 qkv_block_attention_fwd = torch.library.custom_op("blockattn::qkv_block_attention_fwd", _qkv_block_attention_fwd,
@@ -428,8 +457,8 @@ def _qkv_block_attention_backward(grad_out, qkv, offsets, sinu_pos, block_cum, b
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
                       time_buckets)
     bias_grads = _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
-                           BlockTable(block_cum, block_seq), block_size, scale, rotate, options,
-                           split_heads(dqkv, num_heads, num_kv_heads))
+                           _backward_table(offsets, qkv.shape[0], block_size, block_cum, block_seq), block_size, scale,
+                           rotate, options, split_heads(dqkv, num_heads, num_kv_heads))
     return dqkv, *bias_grads
 
 

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..block_table import BlockTable
+from ..block_table import BlockTable, OffsetsOnly
 from . import fp8, in_block, tiles
 from .in_block import InBlock, block_probs, block_probs_and_grads
 from .launch import launch
@@ -61,9 +61,11 @@ from .rotary import (
 )
 from .tiles import (
     LOG2E,
+    OFFSETS_CHUNK,
     ROTATE_K,
     ROTATE_Q,
     ROTATE_V,
+    assert_offsets,
     block_bounds,
     column_mask,
     fp8_out_factor,
@@ -411,6 +413,11 @@ def _block_attention_fwd_kernel(
     tl.static_assert(BLOCKS == 1 or IN_BLOCK == 0)
     PROGRAMS_PER_BLOCK: tl.constexpr = NUM_Q_HEADS // HEADS_PER_PROGRAM
     pid = tl.program_id(0)
+    if block_seq_ptr is None and pid == tl.num_programs(0) - 1:
+        # No block table (block_table.OffsetsOnly): the table kernel's checks are ours, in a program of their own
+        # past the blocks' (off the other programs' chains).
+        assert_offsets(offsets_ptr, num_seqs, num_tokens, num_tokens, OFFSETS_CHUNK)
+        return
     slot = pid // PROGRAMS_PER_BLOCK
     head = (pid % PROGRAMS_PER_BLOCK) * HEADS_PER_PROGRAM
     start, length, second, third, fourth = tile_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs,
@@ -818,12 +825,27 @@ def _strides(prefix: str, t: torch.Tensor) -> dict:
     return dict(zip(_stride_names(prefix), t.stride()))
 
 
+# The most sequences on which the forward runs without a block table: each program then reads the offsets of all of
+# them (one chunk of tiles.OFFSETS_CHUNK) to find its block.
+FIND_BLOCKS_MAX_SEQS = 64
+
+
+def finds_blocks(call, num_seqs: int) -> bool:
+    """Whether the forward kernel runs ``call`` (``backends.AttentionCall``) on ``num_seqs`` sequences without a
+    block table (``block_table.OffsetsOnly``): on few sequences, one block a program (a tile of several would search
+    for each), and without a time bias, whose buckets' table is built from the block table."""
+    one_block = tiles.blocks_per_tile(call.block_size, call.head_dim, call.num_heads // call.num_kv_heads,
+                                      call.rotate != 0, call.in_block, backward=False) == 1
+    return (call.pass_name == "fwd" and num_seqs <= FIND_BLOCKS_MAX_SEQS and one_block
+            and not call.in_block & in_block.TIME_BIAS.value)
+
+
 def block_attention_fwd_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     offsets: torch.Tensor,
-    table: BlockTable,
+    table: BlockTable | OffsetsOnly,
     block_size: int,
     scale: float,
     sinu_pos: torch.Tensor | None,
@@ -837,18 +859,19 @@ def block_attention_fwd_triton(
     heads_per_program: int | None = None,
     group_stages: int | None = None,
 ) -> torch.Tensor:
-    """Launch the forward kernel over ``table``; returns ``out``. Arguments are those the dispatcher passes
-    (``backends``), checked; ``rotate`` is a mask of ``tiles.ROTATE_BITS`` (0 without ``sinu_pos``): those operands
-    are turned by ``sinu_pos`` after loading; ``options`` the in-block options; ``fp8_scales`` those of fp8 inputs
-    (``ops.fp8``). ``num_warps``, ``maxnreg`` (a register cap) and ``fp8_dot`` (fp8 q k^T on fp8 tensor cores, for
-    fp8 inputs without a rotary and slices 32+ wide; refused elsewhere), ``heads_per_program`` (1, or under
-    GQA with one head-dim slice the group) and ``group_stages`` (the pipelining depth of that group's loop) override
-    the tuned launch, for tuning sweeps."""
+    """Launch the forward kernel over ``table`` (or, an ``OffsetsOnly``, without one: :func:`finds_blocks`);
+    returns ``out``. Arguments are those the dispatcher passes (``backends``), checked; ``rotate`` is a mask of
+    ``tiles.ROTATE_BITS`` (0 without ``sinu_pos``): those operands are turned by ``sinu_pos`` after loading;
+    ``options`` the in-block options; ``fp8_scales`` those of fp8 inputs (``ops.fp8``). ``num_warps``, ``maxnreg``
+    (a register cap) and ``fp8_dot`` (fp8 q k^T on fp8 tensor cores, for fp8 inputs without a rotary and slices 32+
+    wide; refused elsewhere), ``heads_per_program`` (1, or under GQA with one head-dim slice the group) and
+    ``group_stages`` (the pipelining depth of that group's loop) override the tuned launch, for tuning sweeps."""
     n, hq, d = q.shape
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))
     out = tiles.new_output(q, dtype=None if fp8_scales is None else fp8_scales.out_dtype)
-    if table.num_slots == 0:
+    checking = isinstance(table, OffsetsOnly)  # one program more, which checks the offsets (even with no block)
+    if table.num_slots == 0 and not checking:
         return out
     group = hq // k.shape[1]
     blocks = tiles.blocks_per_tile(block_size, d, group, rotate != 0, options.bits, backward=False)
@@ -868,7 +891,7 @@ def block_attention_fwd_triton(
     heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
     launch(
-        _block_attention_fwd_kernel, (triton.cdiv(table.num_slots, blocks) * hq // heads,),
+        _block_attention_fwd_kernel, (triton.cdiv(table.num_slots, blocks) * hq // heads + checking,),
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **table.kernel_args(offsets),
         num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
@@ -881,6 +904,8 @@ def block_attention_fwd_triton(
         GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
         num_warps=num_warps or cfg["NUM_WARPS"], num_stages=1,
         **_register_cap(maxnreg or _forward_register_cap(cfg, q, tile, rotate, options)),
+        # Without a table the kernel asserts the offsets (``debug``; without the overflow checks it also turns on).
+        **({"debug": True, "sanitize_overflow": False} if checking else {}),
     )
     return out
 

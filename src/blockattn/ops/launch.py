@@ -91,19 +91,20 @@ _TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _expression(i: int, value, constexpr: bool) -> str:
-    """The key's part for parameter ``i`` (``a[i]``), for arguments of ``value``'s kind; it raises for another kind.
-    Tensors: dtype and 16-byte alignment; ints: the properties Triton specialises on; constexprs: the value;
-    anything else: :func:`_key_of`."""
+    """The key's part for parameter ``i`` (``a[i]``), written for arguments of ``value``'s kind; an argument of
+    another kind (None for a pointer: an optional tensor left out, which Triton takes as a constexpr) gets
+    :func:`_key_of`'s, which tells the kinds apart (it raises for one it does not know). Tensors: dtype and 16-byte
+    alignment; ints: the properties Triton specialises on; constexprs: the value; anything else: :func:`_key_of`."""
     a = f"a[{i}]"
     if constexpr:
         return a
     if type(value) in _TENSORS:
-        return f"({a}.dtype, {a}.data_ptr() & 15 == 0) if {a}.__class__ in _TENSORS else _uncached({a})"
+        return f"({a}.dtype, {a}.data_ptr() & 15 == 0) if {a}.__class__ in _TENSORS else _key_of({a}, False)"
     if type(value) is int:
         return (f"({a} == 1, {a} & 15 == 0, -2147483648 <= {a} < 2147483648, {a} < 2**63) "
-                f"if {a}.__class__ is int else _uncached({a})")
+                f"if {a}.__class__ is int else _key_of({a}, False)")
     if isinstance(value, TensorDescriptor):
-        return f"_descriptor_key({a}) if isinstance({a}, TensorDescriptor) else _uncached({a})"
+        return f"_descriptor_key({a}) if isinstance({a}, TensorDescriptor) else _key_of({a}, False)"
     return f"_key_of({a}, False)"
 
 
@@ -111,7 +112,7 @@ def _key_function(values: tuple, constexprs: tuple[bool, ...], name: str = "kern
     """``key(a)`` of an argument tuple ``a`` whose arguments have the kinds of ``values``: one entry per parameter.
     ``name`` (the kernel's) labels it in profiles."""
     parts = ", ".join(_expression(i, value, c) for i, (value, c) in enumerate(zip(values, constexprs)))
-    scope = {"_TENSORS": _TENSORS, "_uncached": _uncached, "_key_of": _key_of, "_descriptor_key": _descriptor_key,
+    scope = {"_TENSORS": _TENSORS, "_key_of": _key_of, "_descriptor_key": _descriptor_key,
              "TensorDescriptor": TensorDescriptor}
     # Generated from parameter positions only, no outside text.
     exec(compile(f"def key(a):\n    return ({parts},)\n", f"<launch key of {name}>", "exec"), scope)  # noqa: S102

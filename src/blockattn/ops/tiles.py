@@ -73,18 +73,70 @@ def load_or_zero(ptrs, mask):
 
 
 @triton.jit
+def sequence_blocks(offsets_ptr, idx, num_seqs, BLOCK_SIZE: tl.constexpr):
+    """Lengths and block counts of sequences ``idx`` (0 past the last; a negative length, from bad offsets, counts no
+    block, so that the grid slots stay in order)."""
+    in_range = idx < num_seqs
+    length = (tl.load(offsets_ptr + idx + 1, mask=in_range, other=0)
+              - tl.load(offsets_ptr + idx, mask=in_range, other=0)).to(tl.int32)
+    return length, tl.where(in_range, (tl.maximum(length, 0) + BLOCK_SIZE - 1) // BLOCK_SIZE, 0)
+
+
+# Sequences a program reads at once where it finds its block in the offsets (no block table).
+OFFSETS_CHUNK = tl.constexpr(64)
+# The offsets' device-side assertion (one message for every argument name: a compiled kernel's message is fixed).
+BAD_OFFSETS = tl.constexpr("blockattn: bad offsets or cu_seqlens: they must start at 0, be non-decreasing and end at "
+                           "N, with no sequence above max_seqlen where that is given")
+
+
+@triton.jit
+def assert_offsets(offsets_ptr, num_seqs, num_tokens, max_len, CHUNK: tl.constexpr):
+    """Whether the offsets are valid (``offsets[0] == 0``, non-decreasing, ``offsets[-1] == N``, no length above
+    ``max_len``), read ``CHUNK`` sequences at a time, and asserted on the device where the kernel is compiled with
+    ``debug`` (Triton's interpreter asserts nothing: hence the verdict)."""
+    ok = (tl.load(offsets_ptr) == 0) & (tl.load(offsets_ptr + num_seqs) == num_tokens)
+    for chunk in range(0, num_seqs, CHUNK):
+        length = sequence_blocks(offsets_ptr, chunk + tl.arange(0, CHUNK), num_seqs, 1)[0]
+        ok = ok & (tl.min(length, axis=0) >= 0) & (tl.max(length, axis=0) <= max_len)
+    tl.device_assert(ok, BAD_OFFSETS)
+    return ok
+
+
+@triton.jit
+def _slot_sequence(offsets_ptr, slot, num_seqs, BLOCK_SIZE: tl.constexpr):
+    """Without a block table: the sequence that grid slot ``slot`` belongs to (``num_seqs`` for a padding slot) and
+    its first slot, found by counting the blocks of the sequences in order, ``OFFSETS_CHUNK`` at a time (one chunk
+    for the batches where the kernels run without a table)."""
+    seq = tl.zeros((), dtype=tl.int32)
+    first_slot = tl.zeros((), dtype=tl.int32)
+    blocks = tl.zeros((), dtype=tl.int32)  # of the chunks read so far
+    for chunk in range(0, num_seqs, OFFSETS_CHUNK):
+        nblocks = sequence_blocks(offsets_ptr, chunk + tl.arange(0, OFFSETS_CHUNK), num_seqs, BLOCK_SIZE)[1]
+        # The sequences whose blocks all lie before the slot: a prefix, as block counts are not negative.
+        before = (tl.cumsum(nblocks, axis=0) + blocks) <= slot
+        seq += tl.sum(before.to(tl.int32), axis=0)
+        first_slot += tl.sum(tl.where(before, nblocks, 0), axis=0)
+        blocks += tl.sum(nblocks, axis=0)
+    return seq, first_slot
+
+
+@triton.jit
 def block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr):
-    """First row and length of grid slot ``slot``'s block; length 0 for padding slots.
+    """First row and length of grid slot ``slot``'s block; length 0 for padding slots. From the block table, or
+    without one (``block_seq_ptr`` None: ``block_table.OffsetsOnly``) from the offsets themselves.
 
     Clamped to ``[0, N)`` so that offsets whose values were not checked on the host never cause an out-of-bounds
     access (see ``block_table.build_block_table``).
     """
-    seq = tl.load(block_seq_ptr + slot)
+    if block_seq_ptr is None:
+        seq, first_slot = _slot_sequence(offsets_ptr, slot, num_seqs, BLOCK_SIZE)
+    else:
+        seq = tl.load(block_seq_ptr + slot)
     seq_c = tl.minimum(seq, num_seqs - 1)
     seq_start = tl.load(offsets_ptr + seq_c).to(tl.int64)
     seq_end = tl.load(offsets_ptr + seq_c + 1).to(tl.int64)
-    nblocks = (seq_end - seq_start + BLOCK_SIZE - 1) // BLOCK_SIZE
-    first_slot = tl.load(block_cum_ptr + seq_c).to(tl.int64) - nblocks
+    if block_seq_ptr is not None:
+        first_slot = tl.load(block_cum_ptr + seq_c) - (seq_end - seq_start + BLOCK_SIZE - 1) // BLOCK_SIZE
     start = seq_start + (slot - first_slot) * BLOCK_SIZE
     end = tl.minimum(start + BLOCK_SIZE, seq_end)
     start = tl.minimum(tl.maximum(start, 0), num_tokens)
