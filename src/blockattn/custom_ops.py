@@ -10,7 +10,8 @@ allocations and launches instead of running the dispatcher and launchers again; 
 straight to that replay (``call_cache``, through :func:`block_attention_replay` and its siblings). Each attention op
 asks ``backends.select`` which backend runs it; the rotary op runs its Triton kernel where
 ``devices.kernels_run_on`` says the kernels run, else PyTorch. The forwards also return the block table they
-built, so that the backwards reuse it instead of building it again.
+built, so that the backwards reuse it instead of building it again; an eager forward whose kernel finds its blocks in
+the offsets builds none (``Backend.finds_blocks``), and its backward builds one.
 
 Three families: ``rotary`` (``apply_rotary``), ``block_attention_*`` on separate ``q, k, v`` and
 ``qkv_block_attention_*`` on one packed ``[N, (Hq + 2 Hkv) * D]`` projection, whose backward writes the packed

@@ -322,9 +322,9 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
             p = block_probs(scores, start, head + g, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK, keys)
             p = p.to(v_even.dtype)
             o_even = fp8_output(tl.dot(p, v_even, input_precision=DOT_PRECISION), out_factor, FP8,
-                               o_ptr.dtype.element_ty)
+                                o_ptr.dtype.element_ty)
             o_odd = fp8_output(tl.dot(p, v_odd, input_precision=DOT_PRECISION), out_factor, FP8,
-                              o_ptr.dtype.element_ty)
+                               o_ptr.dtype.element_ty)
             store_pairs(o_ptr + (head + g) * stride_oh, rows, 0, stride_on, o_even, o_odd, mask, PAIRS, INLINE_ASM)
         return
     q_base = q_ptr + head * stride_qh
@@ -354,7 +354,7 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
             v_words = load_words(v_base, rows, c * PAIRS, stride_vn, mask, PAIRS)
         v_even, v_odd = _operand_halves(v_words, sin, cos, ROTATE_V & ROTATE, elem_ty, False)
         o_even = fp8_output(tl.dot(p, v_even, input_precision=DOT_PRECISION), out_factor, FP8,
-                           o_base.dtype.element_ty)
+                            o_base.dtype.element_ty)
         o_odd = fp8_output(tl.dot(p, v_odd, input_precision=DOT_PRECISION), out_factor, FP8, o_base.dtype.element_ty)
         store_pairs(o_base, rows, c * PAIRS, stride_on, o_even, o_odd, mask, PAIRS, INLINE_ASM)
 
@@ -377,7 +377,7 @@ def _fwd_group(q_ptr, k_base, v_base, o_ptr, start, first_head, rows, row_ok, he
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p = block_probs(scores, start, head, rows, row_ok, qk_scale_log2, mods, BLOCK_SIZE, IN_BLOCK, keys)
         o = fp8_output(tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION), out_factor, FP8,
-                      o_ptr.dtype.element_ty)
+                       o_ptr.dtype.element_ty)
         store_tile(o_ptr + head * stride_oh, rows, 0, stride_on, stride_od, o, mask, CHUNK)
 
 
