@@ -193,19 +193,29 @@ def test_bad_offsets_trip_device_assert(call):
     assert "blockattn: bad offsets or cu_seqlens" in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("num_seqs", [3, 64, 65])
-def test_eager_forward_without_a_table(num_seqs, monkeypatch, poisoned_outputs):
+@pytest.mark.parametrize("num_seqs,heads", [(3, (4, 4)), (64, (4, 4)), (65, (4, 4)), (3, (8, 1)), (3, (8, 2))])
+def test_eager_call_without_a_table(num_seqs, heads, monkeypatch, poisoned_outputs):
     """An eager call on up to 64 sequences runs the Triton forward without a block table (the table kernel's launch
-    and allocations are host time a small batch's kernel does not need), and its backward builds the table itself;
-    on more sequences the forward builds it, and the backward reads it. Without a gradient, no table at all. The
-    results are the reference's either way."""
+    and allocations are host time a small batch's kernel does not need), and its backward too, but the Hopper
+    backward under GQA (8:1), which builds the table itself; on more sequences, and where the warp-specialised
+    Hopper forward runs it (8:2), the forward builds it, and the backward reads it. Without a gradient, only the
+    forward's. The results are the reference's either way, and the gradients those of a call on a layout's
+    table, bitwise."""
     built = []
     build = custom_ops.build_block_table
     monkeypatch.setattr(custom_ops, "build_block_table", lambda *args: built.append(args) or build(*args))
     plans.forget()
     lengths = torch.randint(0, 150, (num_seqs,)).tolist()
-    q, k, v, do, offsets = random_inputs(lengths, 4, 4, 128, torch.bfloat16, "cuda")
-    tableless = num_seqs <= triton_ops.FIND_BLOCKS_MAX_SEQS
+    q, k, v, do, offsets = random_inputs(lengths, *heads, 128, torch.bfloat16, "cuda")
+    forward_call = AttentionCall.of("fwd", q, k, 64, 0, 0, tensors=(q, k, v))
+    backward_call = AttentionCall.of("bwd", q, k, 64, 0, 0, tensors=(q, k, v, do),
+                                     grads=tuple(map(torch.empty_like, (q, k, v))))
+    tableless, backward_tableless = (backends.select(call).finds_blocks is not None
+                                     and backends.select(call).finds_blocks(call, num_seqs)
+                                     for call in (forward_call, backward_call))
+    few = num_seqs <= triton_ops.FIND_BLOCKS_MAX_SEQS
+    assert tableless == (few and (heads != (8, 2) or not ON_HOPPER))
+    assert backward_tableless == (few and (heads[0] == heads[1] or not ON_HOPPER))
     with torch.no_grad():
         out = blockattn.block_attention(q, k, v, offsets)
     assert len(built) == (0 if tableless else 1)
@@ -213,8 +223,13 @@ def test_eager_forward_without_a_table(num_seqs, monkeypatch, poisoned_outputs):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     results = [blockattn.block_attention(*leaves, offsets)]
     assert len(built) == (0 if tableless else 1)
+    built.clear()
     results[0].backward(do)
-    assert len(built) == 1
+    assert len(built) == (1 if tableless and not backward_tableless else 0)
+    on_layout = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    blockattn.block_attention(*on_layout, blockattn.block_layout(offsets, q.shape[0])).backward(do)
+    for leaf, want in zip(leaves, on_layout):
+        assert torch.equal(leaf.grad.view(torch.int16), want.grad.view(torch.int16))
     # Repeated, the calls launch their compiled kernels straight away (a key for a pointer passed as None), and
     # replay their plans.
     through_triton = []

@@ -13,7 +13,8 @@ Launchers:
   ``block_table.OffsetsOnly`` where the backend's ``finds_blocks`` says its kernel needs none)
 - ``backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, grads)
   -> (dpos_bias, dtime_bias)``: writes ``(dq, dk, dv)`` into ``grads`` (new tensors, or views of one packed buffer)
-  and returns the gradients of the in-block biases (``ops.in_block.InBlock``; None where absent).
+  and returns the gradients of the in-block biases (``ops.in_block.InBlock``; None where absent); ``table`` as the
+  forward's.
 
 Tuning overrides (warps, register caps) are arguments of the Triton launchers alone, which tuning scripts call
 directly: they never change which backend runs.
@@ -33,6 +34,7 @@ from .ops import block_attention as triton_ops
 from .ops import block_attention_torch as torch_ops
 from .ops import flash_attention as flash_ops
 from .ops import flash_attention_torch as flash_torch_ops
+from .ops import tiles
 
 try:
     from .ops import block_attention_sm90 as sm90_ops
@@ -113,6 +115,17 @@ def _sm90_why_not(call: AttentionCall) -> str | None:
     return _hopper_reason(call.device) or (sm90_fwd_ops if call.pass_name == "fwd" else sm90_ops).why_not(call)
 
 
+def _sm90_finds_blocks(call: AttentionCall, num_seqs: int) -> bool:
+    """Whether the Hopper kernels run ``call`` without a block table (``Backend.finds_blocks``): the backward
+    without GQA, one block a program, where the Triton kernels would (``triton_ops.finds_blocks``). Not the GQA
+    backward, which spills more registers searching (ptxas of triton 3.9 for sm_90: 88 -> 112 bytes at D = 128,
+    0 -> 152 at D = 64), nor the warp-specialised forward, persistent, whose programs would search for every item."""
+    return (call.pass_name == "bwd" and call.num_heads == call.num_kv_heads
+            and tiles.blocks_per_tile(call.block_size, call.head_dim, 1, call.rotate != 0, call.in_block,
+                                      backward=True) == 1
+            and triton_ops.finds_blocks(call, num_seqs))
+
+
 def _torch_why_not(call: AttentionCall) -> str | None:
     if call.dtype == FP8_DTYPE and devices.kernels_run_on(call.device):
         return "fp8 on a GPU the kernels serve is theirs (refused below compute capability 8.9, not run slowly here)"
@@ -126,7 +139,8 @@ class Backend:
     why_not: Callable[[AttentionCall], str | None]
     forward: Callable | None = None
     backward: Callable | None = None
-    # ``finds_blocks(call, num_seqs)``: whether the forward runs ``call`` without a block table (None: never).
+    # ``finds_blocks(call, num_seqs)``: whether the kernel of ``call`` (either pass) runs without a block table
+    # (``block_table.OffsetsOnly``; None: never).
     finds_blocks: Callable[[AttentionCall, int], bool] | None = None
 
     @functools.cached_property  # read at every call (select): computed once
@@ -152,7 +166,8 @@ BACKENDS: dict[str, Backend] = {
                 "warpgroups (64-row tiles, D = 32 to 128, fp16/bf16/fp8, plain; where it measured faster than the "
                 "Triton forward)", _sm90_why_not,
                 forward=None if sm90_fwd_ops is None else sm90_fwd_ops.block_attention_fwd_sm90,
-                backward=None if sm90_ops is None else sm90_ops.block_attention_bwd_sm90),
+                backward=None if sm90_ops is None else sm90_ops.block_attention_bwd_sm90,
+                finds_blocks=_sm90_finds_blocks),
         Backend("triton", "Triton kernels, every supported shape, NVIDIA GPUs from Ampere on (the float8 forward "
                 "from Ada on)", _triton_why_not,
                 forward=triton_ops.block_attention_fwd_triton, backward=triton_ops.block_attention_bwd_triton,

@@ -50,10 +50,11 @@ def max_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
 
 
 class OffsetsOnly(NamedTuple):
-    """No block table: what a call passes, in place of a :class:`BlockTable`, to a forward whose kernel finds each
-    grid slot's block in the offsets itself (``backends.Backend.finds_blocks``: on batches of few sequences, where
-    building a table took a launch and two allocations of host time, more than the kernel's search costs it) and
-    asserts that they are valid (``ops.tiles.assert_offsets``). ``num_slots``: the grid's slots, :func:`max_blocks`."""
+    """No block table: what a call passes, in place of a :class:`BlockTable`, to a kernel that finds each grid slot's
+    block in the offsets itself (``backends.Backend.finds_blocks``: on batches of few sequences, where building a
+    table took a launch and two allocations of host time, more than the kernel's search costs it). A forward's
+    kernel also asserts that they are valid (``ops.tiles.assert_offsets``); a backward runs without a table only
+    where its forward did, which checked the same offsets. ``num_slots``: the grid's slots, :func:`max_blocks`."""
 
     num_slots: int
 

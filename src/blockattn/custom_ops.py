@@ -10,8 +10,9 @@ allocations and launches instead of running the dispatcher and launchers again; 
 straight to that replay (``call_cache``, through :func:`block_attention_replay` and its siblings). Each attention op
 asks ``backends.select`` which backend runs it; the rotary op runs its Triton kernel where
 ``devices.kernels_run_on`` says the kernels run, else PyTorch. The forwards also return the block table they
-built, so that the backwards reuse it instead of building it again; an eager forward whose kernel finds its blocks in
-the offsets builds none (``Backend.finds_blocks``), and its backward builds one.
+built, so that the backwards reuse it instead of building it again; an eager call whose kernel finds its blocks in
+the offsets builds none (``Backend.finds_blocks``): its forward saves none, and its backward builds one unless its
+kernel finds its blocks too.
 
 Three families: ``rotary`` (``apply_rotary``), ``block_attention_*`` on separate ``q, k, v`` and
 ``qkv_block_attention_*`` on one packed ``[N, (Hq + 2 Hkv) * D]`` projection, whose backward writes the packed
@@ -85,27 +86,35 @@ def _rotate_mask(sinu_pos, rotate: int) -> int:
 
 def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InBlock, block_cum, block_seq,
              fp8_scales: Fp8Scales | None = None) -> tuple[torch.Tensor, BlockTable | None, torch.Tensor | None]:
-    """``(out, table, buckets)``: the forward by the backend the dispatcher picks, on the table given (a layout's,
-    or the forward op's), else without one where the backend's kernel finds its blocks itself
-    (``Backend.finds_blocks``), else on one built here, which it returns (``table``; else None) for the backward;
-    and the time buckets' table where :func:`_builds_buckets` (else ``buckets`` is None). Only the eager route
-    passes no table: the forward op's outputs hold one (:func:`_op_table`)."""
+    """``(out, table, buckets)``: the forward by the backend the dispatcher picks, on the table :func:`_call_table`
+    gives, which it returns (``table``) for the backward where it built it here (else None); and the time buckets'
+    table where :func:`_builds_buckets` (else ``buckets`` is None). Only the eager route passes no table: the forward
+    op's outputs hold one (:func:`_op_table`)."""
     rotate = _rotate_mask(sinu_pos, rotate)
     call = AttentionCall.of("fwd", q, k, block_size, rotate, options.bits, tensors=(q, k, v))
     backend = backends.select(call)
-    built = None
-    if block_cum is not None:
-        table = BlockTable(block_cum, block_seq)
-    elif backend.finds_blocks is not None and backend.finds_blocks(call, offsets.shape[0] - 1):
-        table = OffsetsOnly(max_blocks(q.shape[0], offsets.shape[0] - 1, block_size))
-    else:
-        table = built = build_block_table(offsets, q.shape[0], block_size)
+    table = _call_table(backend, call, offsets, q.shape[0], block_size, block_cum, block_seq)
+    built = table if block_cum is None and isinstance(table, BlockTable) else None
     buckets = None
     if _builds_buckets(q, options.time_bias, options.buckets):
         buckets = in_block.call_buckets(options, offsets, table, block_size)
         options = options._replace(buckets=buckets)
     out = backend.forward(q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, fp8_scales)
     return out, built, buckets
+
+
+def _call_table(backend: backends.Backend, call: AttentionCall, offsets: torch.Tensor, num_tokens: int,
+                block_size: int, block_cum: torch.Tensor | None,
+                block_seq: torch.Tensor | None) -> BlockTable | OffsetsOnly:
+    """The table a call runs on: the one given (a layout's, the forward op's, or the one its forward built for a
+    backward), else none where the backend's kernel finds its blocks in the offsets (``Backend.finds_blocks``), else
+    one built here."""
+    if block_cum is not None:
+        return BlockTable(block_cum, block_seq)
+    num_seqs = offsets.shape[0] - 1
+    if backend.finds_blocks is not None and backend.finds_blocks(call, num_seqs):
+        return OffsetsOnly(max_blocks(num_tokens, num_seqs, block_size))
+    return build_block_table(offsets, num_tokens, block_size)
 
 
 def _builds_buckets(q: torch.Tensor, time_bias: torch.Tensor | None, time_buckets: torch.Tensor | None) -> bool:
@@ -154,27 +163,22 @@ def _fwd_table_fakes(offsets, num_tokens, block_size, block_cum) -> BlockTable:
 
 def _saved_table(inputs_table: tuple, output_table: tuple | None) -> tuple:
     """The table the backward reads: the layout's (inputs) where one was given, else the one the forward built, else
-    ``(None, None)``: the forward ran without one, and the backward builds its own."""
+    ``(None, None)``: the forward ran without one (its kernel checked the offsets), and the backward runs on one of
+    its own (:func:`_call_table`)."""
     if inputs_table[0] is not None:
         return inputs_table
     return (None, None) if output_table is None else output_table
 
 
-def _backward_table(offsets: torch.Tensor, num_tokens: int, block_size: int, block_cum: torch.Tensor | None,
-                    block_seq: torch.Tensor | None) -> BlockTable:
-    """The backward's table: the saved one (:func:`_saved_table`), or one built here."""
-    if block_cum is None:
-        return build_block_table(offsets, num_tokens, block_size)
-    return BlockTable(block_cum, block_seq)
-
-
-def _backward(grad_out, q, k, v, offsets, sinu_pos, table, block_size, scale, rotate, options: InBlock, grads):
-    """Write ``(dq, dk, dv)`` into ``grads`` by the backend the dispatcher picks; return the biases' gradients (None
-    for absent biases)."""
+def _backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate,
+              options: InBlock, grads):
+    """Write ``(dq, dk, dv)`` into ``grads`` by the backend the dispatcher picks, on the saved table
+    (:func:`_saved_table`) or as :func:`_call_table` says; return the biases' gradients (None for absent biases)."""
     rotate = _rotate_mask(sinu_pos, rotate)
     call = AttentionCall.of("bwd", q, k, block_size, rotate, options.bits, tensors=(q, k, v, grad_out), grads=grads)
-    return backends.select(call).backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate,
-                                          options, grads)
+    backend = backends.select(call)
+    table = _call_table(backend, call, offsets, q.shape[0], block_size, block_cum, block_seq)
+    return backend.backward(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, grads)
 
 
 def _op_grads(grads: tuple, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -345,9 +349,8 @@ def _block_attention_backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, b
     grads = (tiles.new_output(q), tiles.new_output(k), tiles.new_output(v))
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
                       time_buckets)
-    bias_grads = _backward(grad_out, q, k, v, offsets, sinu_pos,
-                           _backward_table(offsets, q.shape[0], block_size, block_cum, block_seq), block_size, scale,
-                           rotate, options, grads)
+    bias_grads = _backward(grad_out, q, k, v, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate,
+                           options, grads)
     return *grads, *bias_grads
 
 
@@ -457,9 +460,8 @@ def _qkv_block_attention_backward(grad_out, qkv, offsets, sinu_pos, block_cum, b
     dqkv = tiles.new_output(qkv)
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
                       time_buckets)
-    bias_grads = _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos,
-                           _backward_table(offsets, qkv.shape[0], block_size, block_cum, block_seq), block_size, scale,
-                           rotate, options, split_heads(dqkv, num_heads, num_kv_heads))
+    bias_grads = _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_cum,
+                           block_seq, block_size, scale, rotate, options, split_heads(dqkv, num_heads, num_kv_heads))
     return dqkv, *bias_grads
 
 

@@ -825,19 +825,20 @@ def _strides(prefix: str, t: torch.Tensor) -> dict:
     return dict(zip(_stride_names(prefix), t.stride()))
 
 
-# The most sequences on which the forward runs without a block table: each program then reads the offsets of all of
+# The most sequences on which the kernels run without a block table: each program then reads the offsets of all of
 # them (one chunk of tiles.OFFSETS_CHUNK) to find its block.
 FIND_BLOCKS_MAX_SEQS = 64
 
 
 def finds_blocks(call, num_seqs: int) -> bool:
-    """Whether the forward kernel runs ``call`` (``backends.AttentionCall``) on ``num_seqs`` sequences without a
-    block table (``block_table.OffsetsOnly``): on few sequences, one block a program (a tile of several would search
-    for each), and without a time bias, whose buckets' table is built from the block table."""
-    one_block = tiles.blocks_per_tile(call.block_size, call.head_dim, call.num_heads // call.num_kv_heads,
-                                      call.rotate != 0, call.in_block, backward=False) == 1
-    return (call.pass_name == "fwd" and num_seqs <= FIND_BLOCKS_MAX_SEQS and one_block
-            and not call.in_block & in_block.TIME_BIAS.value)
+    """Whether the kernel of ``call`` (``backends.AttentionCall``, either pass) runs on ``num_seqs`` sequences
+    without a block table (``block_table.OffsetsOnly``): on few sequences, one block a program (a forward's tile of
+    several would search for each; the backward's kernels run one), and without a time bias, whose buckets' table
+    is built from the block table."""
+    one_block = call.pass_name == "bwd" or tiles.blocks_per_tile(
+        call.block_size, call.head_dim, call.num_heads // call.num_kv_heads, call.rotate != 0, call.in_block,
+        backward=False) == 1
+    return num_seqs <= FIND_BLOCKS_MAX_SEQS and one_block and not call.in_block & in_block.TIME_BIAS.value
 
 
 def block_attention_fwd_triton(

@@ -72,7 +72,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..block_table import BlockTable
 from . import in_block, tiles
-from .gluon_sm90 import barrier, mma_layout, reinterpret, rows_layout, tma_load
+from .gluon_sm90 import barrier, mma_layout, offsets_chunk, reinterpret, rows_layout, tma_load
 from .in_block import (
     DROPOUT,
     POS_BIAS,
@@ -383,7 +383,7 @@ def _block_attention_bwd_sm90_kernel(
     slot = pid // PROGRAMS_PER_BLOCK
     head0 = (pid % PROGRAMS_PER_BLOCK) * HEADS
     start, length, second, third, fourth = tile_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs,
-                                                       num_tokens, BLOCK, BLOCKS)
+                                                       num_tokens, BLOCK, BLOCKS, offsets_chunk())
     mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
             stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
     if length > 0:
@@ -520,7 +520,7 @@ def _block_attention_bwd_sm90_gqa_kernel(
     pid = gl.program_id(0)
     kv_head = pid % NUM_KV_HEADS
     start, length, second, third, fourth = tile_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, pid // NUM_KV_HEADS,
-                                                       num_seqs, num_tokens, BLOCK, BLOCKS)
+                                                       num_seqs, num_tokens, BLOCK, BLOCKS, offsets_chunk())
     mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
             stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
     if length > 0:
@@ -712,6 +712,12 @@ def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, tile: int, 
       1.06-1.08x). With a rotary, whose angles the kernel holds across its group loop at D <= 64 (246 registers),
       capped it spills 212 bytes: uncapped against capped, 8:2 and 8:1, H100 1.25-1.32x against 1.49-1.54x, H200
       1.74-1.84x against 1.90-2.03x (2026-11-28);
+    - 168 for the rotary without GQA at 64-token blocks and D = 128, without in-block options: its angles, held in
+      registers from the operands' turns to the gradients', take 64 a thread (H200, triton 3.6: 202 registers, two
+      programs an SM; capped, three, and spills: ptxas of triton 3.9 uncapped 187, capped 88 bytes). H200, 8 heads,
+      the sweep's lengths: fp32 angles 1.44x the floor -> 1.29x, bf16 angles 1.40x -> 1.36x (2026-11-28; not
+      measured on an H100, where uncapped it ran 1.06-1.09x). The plain kernel (158 registers, three programs
+      already) lost capped, 1.02x -> 1.13x;
     - 128 for GQA at D = 32 on tiles of 16- or 32-token blocks (194 registers uncapped with a rotary; 64 bytes spill
       capped, four programs an SM), 8:2: with a rotary H100 1.81-1.83x -> 1.46-1.49x, H200 2.55-2.58x ->
       2.01-2.07x; plain H100 1.34-1.37x -> 1.23-1.24x, H200 1.87-1.88x -> 1.68-1.69x at 16-token blocks
@@ -719,6 +725,8 @@ def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, tile: int, 
     At D = 128 the kernel's shared memory holds it to two programs an SM."""
     both = options.pos_bias is not None and options.time_bias is not None
     if both and options.dropout_p == 0 and not rotate and not gqa:
+        return {"maxnreg": 168}
+    if rotate and not gqa and tile == 64 and blocks == 1 and head_dim == 128 and options.bits == 0:
         return {"maxnreg": 168}
     if gqa and tile == 64 and options.bits == 0:
         if head_dim == 64 and not rotate:

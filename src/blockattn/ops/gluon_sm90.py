@@ -4,6 +4,8 @@ between triton releases (3.6 on, the oldest with Gluon's Hopper API that the ker
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .tiles import OFFSETS_CHUNK
+
 try:
     from triton.experimental.gluon.language.nvidia.hopper.tma import async_load as tma_load
 except ImportError:  # triton 3.6 names it async_copy_global_to_shared (removed later)
@@ -47,4 +49,12 @@ def rows_layout(width, warps):
     return gl.BlockedLayout([1, 8], [32 * 8 // width, width // 8], [warps, 1], [1, 0])
 
 
-__all__ = ["barrier", "mma_layout", "reinterpret", "rows_layout", "tma_load"]
+@gluon.jit
+def offsets_chunk():
+    """``arange(tiles.OFFSETS_CHUNK)`` in a layout: what a Gluon kernel passes ``tiles.tile_bounds`` as ``seqs``
+    (its search of the offsets, where it runs without a block table, reads them in vectors, which need one)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.arange(0, OFFSETS_CHUNK, layout=layout)
+
+
+__all__ = ["barrier", "mma_layout", "offsets_chunk", "reinterpret", "rows_layout", "tma_load"]

@@ -103,15 +103,19 @@ def assert_offsets(offsets_ptr, num_seqs, num_tokens, max_len, CHUNK: tl.constex
 
 
 @triton.jit
-def _slot_sequence(offsets_ptr, slot, num_seqs, BLOCK_SIZE: tl.constexpr):
+def _slot_sequence(offsets_ptr, slot, num_seqs, BLOCK_SIZE: tl.constexpr, seqs):
     """Without a block table: the sequence that grid slot ``slot`` belongs to (``num_seqs`` for a padding slot) and
     its first slot, found by counting the blocks of the sequences in order, ``OFFSETS_CHUNK`` at a time (one chunk
-    for the batches where the kernels run without a table)."""
-    seq = tl.zeros((), dtype=tl.int32)
-    first_slot = tl.zeros((), dtype=tl.int32)
-    blocks = tl.zeros((), dtype=tl.int32)  # of the chunks read so far
+    for the batches where the kernels run without a table). ``seqs``: ``arange(OFFSETS_CHUNK)`` in a layout of
+    the calling Gluon kernel's (whose vectors need one), or None in a Triton kernel."""
+    if seqs is None:
+        seqs = tl.arange(0, OFFSETS_CHUNK)
+    zero = (slot * 0).to(tl.int32)  # tl.zeros would need a layout in Gluon
+    seq = zero
+    first_slot = zero
+    blocks = zero  # of the chunks read so far
     for chunk in range(0, num_seqs, OFFSETS_CHUNK):
-        nblocks = sequence_blocks(offsets_ptr, chunk + tl.arange(0, OFFSETS_CHUNK), num_seqs, BLOCK_SIZE)[1]
+        nblocks = sequence_blocks(offsets_ptr, chunk + seqs, num_seqs, BLOCK_SIZE)[1]
         # The sequences whose blocks all lie before the slot: a prefix, as block counts are not negative.
         before = (tl.cumsum(nblocks, axis=0) + blocks) <= slot
         seq += tl.sum(before.to(tl.int32), axis=0)
@@ -121,15 +125,17 @@ def _slot_sequence(offsets_ptr, slot, num_seqs, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr):
+def block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr,
+                 seqs=None):
     """First row and length of grid slot ``slot``'s block; length 0 for padding slots. From the block table, or
-    without one (``block_seq_ptr`` None: ``block_table.OffsetsOnly``) from the offsets themselves.
+    without one (``block_seq_ptr`` None: ``block_table.OffsetsOnly``) from the offsets themselves (``seqs``: see
+    :func:`_slot_sequence`).
 
     Clamped to ``[0, N)`` so that offsets whose values were not checked on the host never cause an out-of-bounds
     access (see ``block_table.build_block_table``).
     """
     if block_seq_ptr is None:
-        seq, first_slot = _slot_sequence(offsets_ptr, slot, num_seqs, BLOCK_SIZE)
+        seq, first_slot = _slot_sequence(offsets_ptr, slot, num_seqs, BLOCK_SIZE, seqs)
     else:
         seq = tl.load(block_seq_ptr + slot)
     seq_c = tl.minimum(seq, num_seqs - 1)
@@ -185,35 +191,37 @@ def blocks_per_tile(block_size: int, head_dim: int, group: int, rotary: bool, in
 
 @triton.jit
 def _next_block(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, start, end,
-                BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
+                BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, seqs):
     """Where slot ``slot``'s block begins in the tile that starts at row ``start`` (``TILE``, past every row, for a
     padding slot), and the tile's end with it (``end`` for a padding slot)."""
-    first, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE)
+    first, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE,
+                                 seqs)
     return tl.where(length > 0, first - start, TILE), tl.where(length > 0, first + length, end)
 
 
 @triton.jit
 def tile_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, tile, num_seqs, num_tokens, TILE: tl.constexpr,
-                BLOCKS: tl.constexpr):
+                BLOCKS: tl.constexpr, seqs=None):
     """First row and length of grid tile ``tile``: the blocks of slots ``tile * BLOCKS ...`` (``TILE // BLOCKS``
     tokens each; contiguous rows, the last ones possibly padding), and the rows, relative to the first, where its
     second, third and fourth blocks begin (``TILE`` where there is none). Length 0 for a tile of padding slots.
-    With ``BLOCKS == 1``, :func:`block_bounds`."""
+    With ``BLOCKS == 1``, :func:`block_bounds` (``seqs`` as there)."""
     BLOCK_SIZE: tl.constexpr = TILE // BLOCKS
     first = tile * BLOCKS
-    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, first, num_seqs, num_tokens, BLOCK_SIZE)
+    start, length = block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, first, num_seqs, num_tokens, BLOCK_SIZE,
+                                 seqs)
     second = TILE
     third = TILE
     fourth = TILE
     if BLOCKS > 1:
         end = start + length
         second, end = _next_block(block_seq_ptr, block_cum_ptr, offsets_ptr, first + 1, num_seqs, num_tokens, start,
-                                  end, BLOCK_SIZE, TILE)
+                                  end, BLOCK_SIZE, TILE, seqs)
         if BLOCKS > 2:
             third, end = _next_block(block_seq_ptr, block_cum_ptr, offsets_ptr, first + 2, num_seqs, num_tokens,
-                                     start, end, BLOCK_SIZE, TILE)
+                                     start, end, BLOCK_SIZE, TILE, seqs)
             fourth, end = _next_block(block_seq_ptr, block_cum_ptr, offsets_ptr, first + 3, num_seqs, num_tokens,
-                                      start, end, BLOCK_SIZE, TILE)
+                                      start, end, BLOCK_SIZE, TILE, seqs)
         length = tl.where(length > 0, end - start, 0)
     return start, length, second, third, fourth
 
