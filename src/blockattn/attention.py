@@ -22,11 +22,10 @@ def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = check
 
     A model with many attention layers, or a serving loop that runs one batch through several calls, builds it once
     per batch: each call then skips building the block table (the offsets' checks and a GPU launch), as
-    FlexAttention's ``BlockMask`` is built once and reused. (An eager call on up to 64 sequences builds none
-    anyway where the Triton forward runs it: its programs find their blocks in the offsets, and so do its
-    backward's, but for the Hopper backward under GQA, which builds one.) The values of ``offsets`` are checked
-    here, as a call checks them (a ``ValueError`` on the CPU, a device-side assertion on a GPU: no host
-    synchronisation).
+    FlexAttention's ``BlockMask`` is built once and reused. (An eager call on up to 64 sequences needs none where
+    its kernels find their blocks in the offsets: the Triton forward and the Hopper backward without GQA, one block
+    a program.) The values of ``offsets`` are checked here, as a call checks them (a ``ValueError`` on the CPU, a
+    device-side assertion on a GPU: no host synchronisation).
 
     With ``timestamps`` the layout also holds the batch's time buckets: every pair of tokens of a block, bucketed
     once (one kernel, ``N * block_size`` bytes) where the kernels run, instead of in every call's forward (at the

@@ -117,13 +117,13 @@ def _sm90_why_not(call: AttentionCall) -> str | None:
 
 def _sm90_finds_blocks(call: AttentionCall, num_seqs: int) -> bool:
     """Whether the Hopper kernels run ``call`` without a block table (``Backend.finds_blocks``): the backward
-    without GQA, one block a program, where the Triton kernels would (``triton_ops.finds_blocks``). Not the GQA
-    backward, which spills more registers searching (ptxas of triton 3.9 for sm_90: 88 -> 112 bytes at D = 128,
-    0 -> 152 at D = 64), nor the warp-specialised forward, persistent, whose programs would search for every item."""
+    without GQA, one block a program, where ``triton_ops.searches_offsets``. Not the GQA backward, which spills more
+    registers searching (ptxas of triton 3.6 for sm_90: 8 -> 88 bytes at D = 128, 16 -> 40 at D = 64), nor the
+    warp-specialised forward, persistent, whose programs would search for every item."""
     return (call.pass_name == "bwd" and call.num_heads == call.num_kv_heads
             and tiles.blocks_per_tile(call.block_size, call.head_dim, 1, call.rotate != 0, call.in_block,
                                       backward=True) == 1
-            and triton_ops.finds_blocks(call, num_seqs))
+            and triton_ops.searches_offsets(call, num_seqs))
 
 
 def _torch_why_not(call: AttentionCall) -> str | None:

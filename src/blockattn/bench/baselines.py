@@ -100,7 +100,8 @@ def blockattn_runner(case: Case) -> Runner:
         return blockattn.block_attention(q, k, v, case.offsets, block_size=case.block_size, scale=case.scale)
 
     runner = autograd_runner(forward, case.inputs, case.do)
-    # The backward op alone, as autograd calls it (with the forward's block table): no graph bookkeeping.
+    # The backward op alone, as autograd calls it on the forward's block table (the forward op's, or an eager
+    # forward's on more than 64 sequences): no graph bookkeeping.
     runner.bwd = lambda: torch.ops.blockattn.block_attention_bwd(
         grad_out=case.do, q=case.q, k=case.k, v=case.v, offsets=case.offsets, sinu_pos=None, **case.table._asdict(),
         block_size=case.block_size, scale=case.scale, rotate=ROTATE_NONE,

@@ -830,15 +830,20 @@ def _strides(prefix: str, t: torch.Tensor) -> dict:
 FIND_BLOCKS_MAX_SEQS = 64
 
 
+def searches_offsets(call, num_seqs: int) -> bool:
+    """Whether a kernel that can find its blocks in the offsets should, for ``call`` (``backends.AttentionCall``)
+    on ``num_seqs`` sequences: on few sequences, and without a time bias, whose buckets' table is built from the
+    block table."""
+    return num_seqs <= FIND_BLOCKS_MAX_SEQS and not call.in_block & in_block.TIME_BIAS.value
+
+
 def finds_blocks(call, num_seqs: int) -> bool:
-    """Whether the kernel of ``call`` (``backends.AttentionCall``, either pass) runs on ``num_seqs`` sequences
-    without a block table (``block_table.OffsetsOnly``): on few sequences, one block a program (a forward's tile of
-    several would search for each; the backward's kernels run one), and without a time bias, whose buckets' table
-    is built from the block table."""
-    one_block = call.pass_name == "bwd" or tiles.blocks_per_tile(
-        call.block_size, call.head_dim, call.num_heads // call.num_kv_heads, call.rotate != 0, call.in_block,
-        backward=False) == 1
-    return num_seqs <= FIND_BLOCKS_MAX_SEQS and one_block and not call.in_block & in_block.TIME_BIAS.value
+    """Whether the Triton kernels run ``call`` without a block table (``block_table.OffsetsOnly``): the forward, one
+    block a program (a tile of several would search for each), where :func:`searches_offsets`. The backward keeps
+    the table: its persistent kernel reads the table's block count for its work items."""
+    return (call.pass_name == "fwd" and searches_offsets(call, num_seqs)
+            and tiles.blocks_per_tile(call.block_size, call.head_dim, call.num_heads // call.num_kv_heads,
+                                      call.rotate != 0, call.in_block, backward=False) == 1)
 
 
 def block_attention_fwd_triton(

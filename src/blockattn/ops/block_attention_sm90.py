@@ -70,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..block_table import BlockTable
+from ..block_table import BlockTable, OffsetsOnly
 from . import in_block, tiles
 from .gluon_sm90 import barrier, mma_layout, offsets_chunk, reinterpret, rows_layout, tma_load
 from .in_block import (
@@ -713,8 +713,8 @@ def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, tile: int, 
       capped it spills 212 bytes: uncapped against capped, 8:2 and 8:1, H100 1.25-1.32x against 1.49-1.54x, H200
       1.74-1.84x against 1.90-2.03x (2026-11-28);
     - 168 for the rotary without GQA at 64-token blocks and D = 128, without in-block options: its angles, held in
-      registers from the operands' turns to the gradients', take 64 a thread (H200, triton 3.6: 202 registers, two
-      programs an SM; capped, three, and spills: ptxas of triton 3.9 uncapped 187, capped 88 bytes). H200, 8 heads,
+      registers from the operands' turns to the gradients', take 64 a thread (on the H200, 202 registers: two
+      programs an SM; capped, three, and 88 bytes spilled, ptxas of triton 3.6 and 3.9). H200, 8 heads,
       the sweep's lengths: fp32 angles 1.44x the floor -> 1.29x, bf16 angles 1.40x -> 1.36x (2026-11-28; not
       measured on an H100, where uncapped it ran 1.06-1.09x). The plain kernel (158 registers, three programs
       already) lost capped, 1.02x -> 1.13x;
@@ -737,7 +737,7 @@ def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, tile: int, 
 
 
 def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             offsets: torch.Tensor, table: BlockTable, block_size: int, scale: float,
+                             offsets: torch.Tensor, table: BlockTable | OffsetsOnly, block_size: int, scale: float,
                              sinu_pos: torch.Tensor | None, rotate: int, options: InBlock,
                              grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple:
     """Write ``(dq, dk, dv)`` into ``grads`` and return the gradients of ``options``' biases (None where absent),
