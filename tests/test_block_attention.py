@@ -135,6 +135,61 @@ def test_forward_without_a_table(block_size, offsets_dtype, poisoned_outputs):
         assert torch.equal(searched, on_table), f"lengths {lengths}"
 
 
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_backward_without_a_table(block_size, poisoned_outputs):
+    """The Triton backward without a block table (``OffsetsOnly``): each program finds its block in the offsets (the
+    persistent kernel counts its work items there), and the gradients are those on the table, bitwise. Odd lengths
+    with empty sequences, GQA, a rotary, more sequences than one chunk of the search, and at 64-token blocks D = 128
+    in fp16 (the persistent kernel)."""
+    many = [(i * 7) % 5 for i in range(int(tiles.OFFSETS_CHUNK.value) + 9)] + [block_size + 1]
+    cases = [(odd_lengths(block_size), (4, 2), 0, 32, torch.float32), (many, (2, 2), 0, 32, torch.float32),
+             (odd_lengths(block_size) + [0, 5], (2, 2), ROTATE_ALL, 32, torch.float32)]
+    if block_size == 64:
+        cases += [(odd_lengths(64) + [300, 7], (4, 1), 0, 128, torch.float16),
+                  (odd_lengths(64), (2, 2), 0, 128, torch.float16)]
+    for lengths, (hq, hkv), rotate, d, dtype in cases:
+        q, k, v, do, offsets = random_inputs(lengths, hq, hkv, d, dtype, KERNEL_DEVICE)
+        sinu_pos = random_angles(q.shape[0], d, device=KERNEL_DEVICE) if rotate else None
+        n = q.shape[0]
+        grads = []
+        for table in (build_block_table(offsets, n, block_size), OffsetsOnly(max_blocks(n, len(lengths), block_size))):
+            grads.append(tuple(torch.full_like(t, float("nan")) for t in (q, k, v)))
+            triton_ops.block_attention_bwd_triton(do, q, k, v, offsets, table, block_size, d**-0.5, sinu_pos, rotate,
+                                                  PLAIN, grads[-1])
+        for name, on_table, searched in zip("qkv", *grads):
+            assert torch.equal(searched, on_table), f"d{name}, lengths {lengths}"
+
+
+@pytest.mark.parametrize("heads,dtype,options", [((4, 2), torch.float32, False), ((3, 1), torch.float16, True)],
+                         ids=["4:2-fp32", "3:1-fp16-options"])
+def test_backward_group_split_at_128_token_blocks_past_d128(heads, dtype, options, poisoned_outputs, monkeypatch):
+    """At 128-token blocks past D = 128 under GQA the Triton backward runs a program per query head, each reading
+    its group's k and v and writing its own share of dk and dv, then sums the shares over the group
+    (``splits_group``): within the accuracy contract, with the causal mask and a position bias (its gradient from
+    every query head), the gradients written into views of one packed buffer; only there."""
+    assert triton_ops.splits_group(128, 136, 2) and triton_ops.splits_group(128, 256, 8)
+    assert not (triton_ops.splits_group(128, 128, 2) or triton_ops.splits_group(128, 256, 1)
+                or triton_ops.splits_group(64, 256, 2))
+    launched = []
+    launch = triton_ops.launch
+    monkeypatch.setattr(triton_ops, "launch", lambda kernel, grid, **kw: launched.append(kw) or launch(kernel, grid,
+                                                                                                         **kw))
+    hq, hkv = heads
+    lengths = odd_lengths(128) if HAS_GPU else [0, 1, 129]  # the interpreter: a full block and two partial ones
+    _, _, _, do, offsets = random_inputs(lengths, hq, hkv, 136, dtype, KERNEL_DEVICE)
+    n = do.shape[0]
+    q, k, v = blockattn.custom_ops.split_heads(torch.randn(n, (hq + 2 * hkv) * 136, dtype=dtype,
+                                                           device=KERNEL_DEVICE), hq, hkv)
+    packed = tiles.new_output(torch.empty(n, (hq + 2 * hkv) * 136, dtype=dtype, device=KERNEL_DEVICE))
+    options = in_block.InBlock(causal=True, pos_bias=torch.randn(hq, 255, device=KERNEL_DEVICE)) if options else PLAIN
+    results = run_backend("triton", q, k, v, do, offsets, 128, in_block=options,
+                          grads=blockattn.custom_ops.split_heads(packed, hq, hkv))
+    assert [kw["HEADS_PER_KV"] for kw in launched if "HEADS_PER_KV" in kw] == [hq // hkv]
+    assert all(g.data_ptr() == p.data_ptr() for g, p in zip(results[1:4], blockattn.custom_ops.split_heads(packed, hq,
+                                                                                                            hkv)))
+    assert_within_2x_pytorch(results, q, k, v, do, offsets, 128, in_block=options)
+
+
 def test_kernels_without_a_table_rule():
     """The Triton forward runs without a table on up to ``FIND_BLOCKS_MAX_SEQS`` sequences, one block a program (not
     on tiles of several), but with a time bias (whose buckets' table is built from the block table); the Triton
@@ -148,7 +203,8 @@ def test_kernels_without_a_table_rule():
     assert finds(replace(call, in_block=in_block.CAUSAL.value | in_block.POS_BIAS.value | in_block.DROPOUT.value), 1)
     assert not finds(replace(call, in_block=in_block.TIME_BIAS.value), 1)
     backward = replace(call, pass_name="bwd")
-    assert not finds(backward, 1)
+    assert finds(backward, most) and finds(replace(backward, block_size=16, num_kv_heads=2), 1)
+    assert not finds(backward, most + 1) and not finds(replace(backward, in_block=in_block.TIME_BIAS.value), 1)
     hopper = backends.BACKENDS["sm90-gluon"].finds_blocks
     assert hopper(backward, most) and not hopper(backward, most + 1) and not hopper(call, 1)
     assert hopper(replace(backward, in_block=in_block.CAUSAL.value | in_block.POS_BIAS.value, rotate=ROTATE_ALL), 1)

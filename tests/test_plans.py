@@ -298,7 +298,7 @@ def test_gpu_replayed_launches_go_direct_but_to_a_launch_hook():
     assert sum(hasattr(step, "direct") for step in forward.steps) == 1
     directs = [step.direct for step in backward.steps if hasattr(step, "direct")]
     hopper = torch.cuda.get_device_capability()[0] == 9 and backends.sm90_ops is not None
-    assert len(directs) == (1 if hopper else 2)
+    assert len(directs) == 1
     if hopper:
         assert directs[0].maps
     inputs = (randn(4), randn(4), randn(4), randn(4))

@@ -14,7 +14,8 @@ query heads, that the compiler software-pipelines, so loads of the next step ove
 
 A fused rotary (``ROTATE``, a mask of the operands to turn) switches the forward and the one-block backward to pair
 halves (``ops.rotary``): operands are rotated right after loading, gradients turned back before their one store; but
-for the backward of :func:`rotates_apart`, which runs the rotary kernel apart.
+for the backward of :func:`rotates_apart`, which runs the rotary kernel apart. At 128-token blocks past D = 128 the
+backward runs a GQA group's query heads apart (:func:`splits_group`), each writing its share of dk and dv.
 
 The in-block options (``IN_BLOCK``, a mask of ``ops.in_block``'s bits: causal mask, position and time biases,
 dropout) change the score tile between the products and the softmax (``ops.in_block.block_probs`` and
@@ -67,6 +68,7 @@ from .tiles import (
     ROTATE_V,
     assert_offsets,
     block_bounds,
+    block_count,
     column_mask,
     fp8_out_factor,
     fp8_output,
@@ -109,7 +111,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     program recomputes the whole block's scores for every query head of the group, so wider slices redo less, until
     the group's dk and dv accumulators spill registers (4:1 on an H100, against the 64 x 64 slices before:
     128-token blocks at D = 128 3.9x the floor against 7.3x, and 5.8x for whole rows; 2:1 at D = 256 5.4x against
-    12.1x, 5.9x for 128 columns; 64-token blocks at D = 256 2.8x against 3.7x). Other shapes, and fp32 inputs,
+    12.1x, 5.9x for 128 columns; 64-token blocks at D = 256 2.8x against 3.7x). At 128-token blocks past D = 128 the
+    launcher now runs the group apart (:func:`splits_group`) on the rule without GQA. Other shapes, and fp32 inputs,
     take 64 x 64 slices; at 64-token blocks with D <= 128 that is the one-block kernel of in-block options and of
     layouts the persistent kernel does not take (4:1 with a causal mask and both biases at D = 128: 12.0x the
     plain floor against 14.5x for 64 x 128).
@@ -616,7 +619,7 @@ def _block_attention_bwd_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLICES_PER_PROGRAM: tl.constexpr, ROTATE: tl.constexpr, INLINE_ASM: tl.constexpr, WIDE_STORES: tl.constexpr,
-    IN_BLOCK: tl.constexpr, GROUP_STAGES: tl.constexpr,
+    IN_BLOCK: tl.constexpr, GROUP_STAGES: tl.constexpr, HEADS_PER_KV: tl.constexpr,
 ):
     # Each program owns SLICES_PER_PROGRAM of the NUM_CHUNKS head-dim slices of one (block, kv head): it recomputes
     # P and dS (over all slices) and writes its slices of dq, dk, dv. Without GQA (GROUP == 1) each result is stored
@@ -626,6 +629,8 @@ def _block_attention_bwd_kernel(
     # With a rotary (ROTATE, bits tiles.ROTATE_Q/K/V) the same program runs on pair halves (_bwd_rotary_block):
     # operands are rotated after every load and their gradients turned back before the store. IN_BLOCK: as in the
     # forward; the programs of a (block, head)'s first slice write its share of the bias gradients (dpos, dtime).
+    # HEADS_PER_KV > 1 (splits_group): the "kv heads" are the query heads, each program reading its group's k and v
+    # (head // HEADS_PER_KV) and writing that query head's own share of dk and dv.
     PROGRAMS_PER_HEAD: tl.constexpr = NUM_CHUNKS // SLICES_PER_PROGRAM
     pid = tl.program_id(0)
     first_slice = (pid % PROGRAMS_PER_HEAD) * SLICES_PER_PROGRAM
@@ -637,8 +642,8 @@ def _block_attention_bwd_kernel(
     offs = tl.arange(0, BLOCK_SIZE)
     row_ok = offs < length
     rows = start + offs
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
+    k_base = k_ptr + (kv_head // HEADS_PER_KV) * stride_kh
+    v_base = v_ptr + (kv_head // HEADS_PER_KV) * stride_vh
     dk_base = dk_ptr + kv_head * stride_dkh
     dv_base = dv_ptr + kv_head * stride_dvh
     mods = (pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr, stride_tbh,
@@ -721,7 +726,9 @@ def _block_attention_bwd_persistent_kernel(
     # every step). No atomics: bitwise reproducible. q and dq share one layout, k, v, dk and dv another (the
     # launcher checks), so one tile of offsets serves each side; dO shares q's when DO_SHARES_LAYOUT, and k's side
     # shares it too when KV_SHARES_TILE (same layout, and without GQA the same head).
-    num_items = tl.minimum(tl.load(block_cum_ptr + num_seqs - 1), num_slots) * NUM_KV_HEADS  # the rest: padding
+    # the rest: padding
+    num_items = tl.minimum(block_count(block_cum_ptr, offsets_ptr, num_seqs, num_slots, BLOCK_SIZE),
+                           num_slots) * NUM_KV_HEADS
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_SIZE)
@@ -838,12 +845,13 @@ def searches_offsets(call, num_seqs: int) -> bool:
 
 
 def finds_blocks(call, num_seqs: int) -> bool:
-    """Whether the Triton kernels run ``call`` without a block table (``block_table.OffsetsOnly``): the forward, one
-    block a program (a tile of several would search for each), where :func:`searches_offsets`. The backward keeps
-    the table: its persistent kernel reads the table's block count for its work items."""
-    return (call.pass_name == "fwd" and searches_offsets(call, num_seqs)
-            and tiles.blocks_per_tile(call.block_size, call.head_dim, call.num_heads // call.num_kv_heads,
-                                      call.rotate != 0, call.in_block, backward=False) == 1)
+    """Whether the Triton kernels run ``call`` without a block table (``block_table.OffsetsOnly``), where
+    :func:`searches_offsets`: the backward (one block a program; the persistent kernel counts its work items from
+    the offsets), and the forward on one block a program (a tile of several would search for each)."""
+    one_block = call.pass_name == "bwd" or tiles.blocks_per_tile(
+        call.block_size, call.head_dim, call.num_heads // call.num_kv_heads, call.rotate != 0, call.in_block,
+        backward=False) == 1
+    return one_block and searches_offsets(call, num_seqs)
 
 
 def block_attention_fwd_triton(
@@ -973,8 +981,10 @@ def rotates_apart(block_size: int, head_dim: int, group: int) -> bool:
     D = 128 under GQA, where each 64-column slice's program turns the block's q, k and v for its scores and spills
     registers (1 608 bytes a thread at 8:2, 288 without a rotary; ptxas): the fused backward took 15.7-25.6x the
     floor against 7.0-9.0x for the plain one; rotating apart, 8.6-10.5x (8:4 to 8:1 at D = 256, fp32 and bf16
-    angles, the sweep's lengths, H200, 2026-11-28; not measured on an H100). Without GQA the fused one is within
-    1.5x of the plain one (2.96-3.48x against 2.34x there) and stays."""
+    angles, the sweep's lengths, H200, 2026-11-28; not measured on an H100). With the group run apart since
+    (:func:`splits_group`), the fused rotation measured 6.24x, 6.94x and 5.79x where rotating apart measured 6.49x,
+    6.50x and 6.42x (8:4 and 8:1 with fp32 angles, 8:2 with bf16 ones; one run each): a mix, so it still rotates
+    apart. Without GQA the fused one is within 1.5x of the plain one (2.96-3.48x against 2.34x there) and stays."""
     return block_size == 128 and head_dim > 128 and group > 1
 
 
@@ -993,12 +1003,30 @@ def _bwd_rotated_apart(grad_out, q, k, v, offsets, table, block_size, scale, sin
             rotary_triton(target, sinu_pos, True, out=grad)
 
 
+def splits_group(block_size: int, head_dim: int, group: int) -> bool:
+    """Whether the Triton backward runs a GQA group's query heads apart: a program per query head (reading the
+    group's k and v) writes its own share of dk and dv, which a sum over the group then adds up. At 128-token blocks
+    past D = 128, where the group's dk and dv accumulators cannot be held whole, so each 64-column slice's program
+    recomputed the block's scores and dP for every head of the group: four times the products of a program that
+    runs a query head's whole rows, which is what each program now is (the launch rule without GQA). The shares
+    take two ``[N, Hq, D]`` buffers for the backward's duration, and each is rounded to the gradients' dtype before
+    the sum (as an unfused GQA's repeated k and v get theirs): bf16 gradients 50.6-50.8 dB against float64, 52.5
+    before. H200, the sweep's lengths, 8 query heads, bf16, D = 256, group apart against in a program (2026-11-28,
+    not measured on an H100): 8:4 4.80x the floor against 7.07x, 8:2 4.78x against 8.16x, 8:1 4.96x against 9.07x;
+    with a rotary (:func:`rotates_apart`) fp32 angles 8:4 6.49x against 8.64x, 8:1 6.50x against 10.31x, bf16
+    angles 8:2 6.42x against 9.70x."""
+    return block_size == 128 and head_dim > 128 and group > 1
+
+
 def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials, grads, *,
                 num_warps, maxnreg, slices_per_program, chunk, group_stages, pipeline_stages) -> None:
     n, hq, d = q.shape
-    hkv = k.shape[1]
+    split = splits_group(block_size, d, hq // k.shape[1])
+    hkv = hq if split else k.shape[1]
     group = hq // hkv
     dq, dk, dv = grads
+    if split:  # each query head's share, in the gradients' dtype (as an unfused GQA's repeated k and v get theirs)
+        dk, dv = (tiles.new_output(q, dtype=g.dtype) for g in (dk, dv))
     two_layouts = q.stride() == dq.stride() and len({t.stride() for t in (k, v, dk, dv)}) == 1
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
                         rotary=bool(rotate), persistent=two_layouts and not options.bits)
@@ -1025,6 +1053,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
                   DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or cfg["NUM_WARPS"],
                   num_stages=1, **_register_cap(maxnreg))
     tensors = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "do_ptr": grad_out, "dq_ptr": dq, "dk_ptr": dk, "dv_ptr": dv}
+    kernel_grads = (dq, dk, dv)
     if cfg["PIPELINE_STAGES"] > 1:
         programs = min(table.num_slots * hkv, _persistent_programs(q.device))
         launch(
@@ -1036,7 +1065,8 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
         return
     slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
-    strides = {name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"), (q, k, v, grad_out, *grads))
+    strides = {name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"),
+                                                 (q, k, v, grad_out, *kernel_grads))
                for name, stride in _strides(prefix, t).items()}
     launch(
         _block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
@@ -1045,5 +1075,9 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
         NUM_KV_HEADS=hkv, GROUP=group,
         NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
         GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
-        INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in grads),
+        INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in kernel_grads),
+        HEADS_PER_KV=hq // k.shape[1] if split else 1,
     )
+    if split:
+        for shares, grad in zip((dk, dv), grads[1:]):
+            torch.sum(shares.view(n, k.shape[1], hq // k.shape[1], d), dim=2, out=grad)

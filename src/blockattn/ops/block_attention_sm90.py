@@ -637,7 +637,12 @@ def _num_warps(block_size: int, head_dim: int) -> int:
     warpgroups), at D = 256 the gradient tiles [64, 256] (64 registers a thread over two warpgroups side by side,
     where one would need 128 for each). Under GQA at 128-token blocks and D = 128 the group's [128, 128] dk and dv
     join the score tiles, in column halves (``PARTS``): two warpgroups there measured 2.14-2.46x the floor at 8:4
-    to 8:1 against 3.43-3.91x for four (H100, 8 query heads; H200 2.62-3.26x; docs/benchmarks.md, 2026-11-28)."""
+    to 8:1 against 3.43-3.91x for four (H100, 8 query heads; H200 2.62-3.26x; docs/benchmarks.md, 2026-11-28).
+    At 64-token blocks up to D = 128 two warpgroups (without a register cap) tied or lost, though ptxas gives them
+    no spills where one spills: H200, the sweep's lengths, bf16, one against two, 8:8 plain 1.02x the floor both,
+    with fp32 angles 1.29x against 1.47x (D = 64: 1.29x against 1.79x), 8:2 plain 1.10x against 1.74x (1.66x with
+    dk and dv in whole rows, ``PARTS`` 1), 8:2 and 8:1 with fp32 angles 1.78-1.81x against 2.21-2.61x
+    (2026-11-28)."""
     return 4 if block_size == 64 and head_dim <= 128 else 8
 
 
