@@ -136,28 +136,40 @@ def test_forward_without_a_table(block_size, offsets_dtype, poisoned_outputs):
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_backward_without_a_table(block_size, poisoned_outputs):
-    """The Triton backward without a block table (``OffsetsOnly``): each program finds its block in the offsets (the
-    persistent kernel counts its work items there), and the gradients are those on the table, bitwise. Odd lengths
-    with empty sequences, GQA, a rotary, more sequences than one chunk of the search, and at 64-token blocks D = 128
-    in fp16 (the persistent kernel)."""
+def test_backward_without_a_table(block_size, poisoned_outputs, monkeypatch):
+    """The Triton backward without a block table (``OffsetsOnly``): each program finds its block in the offsets,
+    and the gradients are those on the table, bitwise. Odd lengths with empty sequences, GQA, a rotary, more
+    sequences than one chunk of the search; and at 64-token blocks D = 128 in fp16, where on a table the persistent
+    kernel would run: it reads the table, so without one the one-block kernel runs (compared with it on the table,
+    launched as its own rule launches it)."""
     many = [(i * 7) % 5 for i in range(int(tiles.OFFSETS_CHUNK.value) + 9)] + [block_size + 1]
-    cases = [(odd_lengths(block_size), (4, 2), 0, 32, torch.float32), (many, (2, 2), 0, 32, torch.float32),
-             (odd_lengths(block_size) + [0, 5], (2, 2), ROTATE_ALL, 32, torch.float32)]
+    cases = [(odd_lengths(block_size), (4, 2), 0, 32, torch.float32, {}),
+             (many, (2, 2), 0, 32, torch.float32, {}),
+             (odd_lengths(block_size) + [0, 5], (2, 2), ROTATE_ALL, 32, torch.float32, {})]
     if block_size == 64:
-        cases += [(odd_lengths(64) + [300, 7], (4, 1), 0, 128, torch.float16),
-                  (odd_lengths(64), (2, 2), 0, 128, torch.float16)]
-    for lengths, (hq, hkv), rotate, d, dtype in cases:
+        cases += [(odd_lengths(64) + [300, 7], (4, 1), 0, 128, torch.float16, {"chunk": 64, "num_warps": 4}),
+                  (odd_lengths(64), (2, 2), 0, 128, torch.float16, {"pipeline_stages": 1})]
+    launched = []
+    launch = triton_ops.launch
+    monkeypatch.setattr(triton_ops, "launch", lambda kernel, grid, **kw: launched.append(kernel) or launch(kernel, grid,
+                                                                                                             **kw))
+    for lengths, (hq, hkv), rotate, d, dtype, one_block in cases:
         q, k, v, do, offsets = random_inputs(lengths, hq, hkv, d, dtype, KERNEL_DEVICE)
         sinu_pos = random_angles(q.shape[0], d, device=KERNEL_DEVICE) if rotate else None
         n = q.shape[0]
         grads = []
-        for table in (build_block_table(offsets, n, block_size), OffsetsOnly(max_blocks(n, len(lengths), block_size))):
+        for table, overrides in ((build_block_table(offsets, n, block_size), one_block),
+                                 (OffsetsOnly(max_blocks(n, len(lengths), block_size)), {})):
             grads.append(tuple(torch.full_like(t, float("nan")) for t in (q, k, v)))
+            launched.clear()
             triton_ops.block_attention_bwd_triton(do, q, k, v, offsets, table, block_size, d**-0.5, sinu_pos, rotate,
-                                                  PLAIN, grads[-1])
+                                                  PLAIN, grads[-1], **overrides)
+        assert launched == [triton_ops._block_attention_bwd_kernel]
         for name, on_table, searched in zip("qkv", *grads):
             assert torch.equal(searched, on_table), f"d{name}, lengths {lengths}"
+    with pytest.raises(ValueError, match="needs a block table"):
+        triton_ops.block_attention_bwd_triton(do, q, k, v, offsets, OffsetsOnly(max_blocks(n, len(lengths), 64)), 64,
+                                              1.0, None, 0, PLAIN, grads[-1], pipeline_stages=2)
 
 
 @pytest.mark.parametrize("heads,dtype,options", [((4, 2), torch.float32, False), ((3, 1), torch.float16, True)],
@@ -192,9 +204,10 @@ def test_backward_group_split_at_128_token_blocks_past_d128(heads, dtype, option
 
 def test_kernels_without_a_table_rule():
     """The Triton forward runs without a table on up to ``FIND_BLOCKS_MAX_SEQS`` sequences, one block a program (not
-    on tiles of several), but with a time bias (whose buckets' table is built from the block table); the Triton
-    backward always takes one. The Hopper kernels run without one in the backward without GQA, one block a program,
-    on as few sequences and without a time bias."""
+    on tiles of several), but with a time bias (whose buckets' table is built from the block table); so does the
+    Triton backward where its one-block kernel runs, not where the persistent one would (64-token blocks, D = 128,
+    16-bit, no rotary or in-block option). The Hopper kernels run without one in the backward without GQA, one
+    block a program, on as few sequences and without a time bias."""
     call = AttentionCall("fwd", torch.device("cuda"), torch.bfloat16, 4, 4, 128, 64)
     most = triton_ops.FIND_BLOCKS_MAX_SEQS
     finds = backends.BACKENDS["triton"].finds_blocks
@@ -203,8 +216,11 @@ def test_kernels_without_a_table_rule():
     assert finds(replace(call, in_block=in_block.CAUSAL.value | in_block.POS_BIAS.value | in_block.DROPOUT.value), 1)
     assert not finds(replace(call, in_block=in_block.TIME_BIAS.value), 1)
     backward = replace(call, pass_name="bwd")
-    assert finds(backward, most) and finds(replace(backward, block_size=16, num_kv_heads=2), 1)
-    assert not finds(backward, most + 1) and not finds(replace(backward, in_block=in_block.TIME_BIAS.value), 1)
+    assert not finds(backward, 1) and not finds(replace(backward, num_kv_heads=2), 1)  # the persistent kernel's
+    for one_block in ({"head_dim": 64}, {"rotate": ROTATE_ALL}, {"in_block": in_block.CAUSAL.value},
+                      {"dtype": torch.float32}, {"block_size": 16, "num_kv_heads": 2}):
+        assert finds(replace(backward, **one_block), most) and not finds(replace(backward, **one_block), most + 1)
+    assert not finds(replace(backward, head_dim=64, in_block=in_block.TIME_BIAS.value), 1)
     hopper = backends.BACKENDS["sm90-gluon"].finds_blocks
     assert hopper(backward, most) and not hopper(backward, most + 1) and not hopper(call, 1)
     assert hopper(replace(backward, in_block=in_block.CAUSAL.value | in_block.POS_BIAS.value, rotate=ROTATE_ALL), 1)

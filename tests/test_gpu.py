@@ -193,17 +193,19 @@ def test_bad_offsets_trip_device_assert(call):
     assert "blockattn: bad offsets or cu_seqlens" in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("num_seqs,heads,kernels", [
-    (3, (4, 4), "dispatched"), (64, (4, 4), "dispatched"), (65, (4, 4), "dispatched"), (3, (8, 1), "dispatched"),
-    (3, (8, 2), "dispatched"), (3, (4, 4), "triton"), (64, (8, 2), "triton"), (65, (4, 4), "triton")])
-def test_eager_call_without_a_table(num_seqs, heads, kernels, monkeypatch, poisoned_outputs):
-    """An eager call on up to 64 sequences runs the Triton kernels without a block table (the table kernel's launch
-    and allocations are host time a small batch's kernel does not need; the Triton backward's persistent kernel
-    counts its work from the offsets), and, on Hopper without GQA, the Gluon backward too; the Hopper backward under
-    GQA (8:1) builds the table itself. On more sequences, and where the warp-specialised Hopper forward runs it (8:2),
-    the forward builds it, and the backward reads it. Without a gradient, only the forward's. The results are the
-    reference's either way, and the gradients those of a call on a layout's table, bitwise. ``kernels="triton"``: the
-    Hopper kernels taken out of the dispatcher, so the Triton kernels run these calls on a Hopper GPU too."""
+@pytest.mark.parametrize("num_seqs,heads,head_dim,kernels", [
+    (3, (4, 4), 128, "dispatched"), (64, (4, 4), 128, "dispatched"), (65, (4, 4), 128, "dispatched"),
+    (3, (8, 1), 128, "dispatched"), (3, (8, 2), 128, "dispatched"), (3, (4, 4), 64, "triton"),
+    (64, (8, 2), 64, "triton"), (3, (4, 4), 128, "triton"), (65, (4, 4), 64, "triton")])
+def test_eager_call_without_a_table(num_seqs, heads, head_dim, kernels, monkeypatch, poisoned_outputs):
+    """An eager call on up to 64 sequences runs the Triton forward without a block table (the table kernel's launch
+    and allocations are host time a small batch's kernel does not need), and its backward where the one-block
+    kernel runs (D = 64; at D = 128 the persistent one, which reads a table, builds it); on Hopper without GQA the
+    Gluon backward too, while the Hopper backward under GQA (8:1) builds the table itself. On more sequences, and
+    where the warp-specialised Hopper forward runs it (8:2), the forward builds it, and the backward reads it.
+    Without a gradient, only the forward's. The results are the reference's either way, and the gradients those of
+    a call on a layout's table, bitwise. ``kernels="triton"``: the Hopper kernels taken out of the dispatcher, so
+    the Triton kernels run these calls on a Hopper GPU too."""
     if kernels == "triton":
         monkeypatch.delitem(backends.BACKENDS, "sm90-gluon", raising=False)
     hopper = ON_HOPPER and kernels == "dispatched"
@@ -212,7 +214,7 @@ def test_eager_call_without_a_table(num_seqs, heads, kernels, monkeypatch, poiso
     monkeypatch.setattr(custom_ops, "build_block_table", lambda *args: built.append(args) or build(*args))
     plans.forget()
     lengths = torch.randint(0, 150, (num_seqs,)).tolist()
-    q, k, v, do, offsets = random_inputs(lengths, *heads, 128, torch.bfloat16, "cuda")
+    q, k, v, do, offsets = random_inputs(lengths, *heads, head_dim, torch.bfloat16, "cuda")
     forward_call = AttentionCall.of("fwd", q, k, 64, 0, 0, tensors=(q, k, v))
     backward_call = AttentionCall.of("bwd", q, k, 64, 0, 0, tensors=(q, k, v, do),
                                      grads=tuple(map(torch.empty_like, (q, k, v))))
@@ -221,7 +223,7 @@ def test_eager_call_without_a_table(num_seqs, heads, kernels, monkeypatch, poiso
                                      for call in (forward_call, backward_call))
     few = num_seqs <= triton_ops.FIND_BLOCKS_MAX_SEQS
     assert tableless == (few and (heads != (8, 2) or not hopper))
-    assert backward_tableless == (few and (heads[0] == heads[1] or not hopper))
+    assert backward_tableless == (few and (heads[0] == heads[1] if hopper else head_dim == 64))
     with torch.no_grad():
         out = blockattn.block_attention(q, k, v, offsets)
     assert len(built) == (0 if tableless else 1)

@@ -68,7 +68,6 @@ from .tiles import (
     ROTATE_V,
     assert_offsets,
     block_bounds,
-    block_count,
     column_mask,
     fp8_out_factor,
     fp8_output,
@@ -726,9 +725,7 @@ def _block_attention_bwd_persistent_kernel(
     # every step). No atomics: bitwise reproducible. q and dq share one layout, k, v, dk and dv another (the
     # launcher checks), so one tile of offsets serves each side; dO shares q's when DO_SHARES_LAYOUT, and k's side
     # shares it too when KV_SHARES_TILE (same layout, and without GQA the same head).
-    # the rest: padding
-    num_items = tl.minimum(block_count(block_cum_ptr, offsets_ptr, num_seqs, num_slots, BLOCK_SIZE),
-                           num_slots) * NUM_KV_HEADS
+    num_items = tl.minimum(tl.load(block_cum_ptr + num_seqs - 1), num_slots) * NUM_KV_HEADS  # the rest: padding
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_SIZE)
@@ -846,11 +843,18 @@ def searches_offsets(call, num_seqs: int) -> bool:
 
 def finds_blocks(call, num_seqs: int) -> bool:
     """Whether the Triton kernels run ``call`` without a block table (``block_table.OffsetsOnly``), where
-    :func:`searches_offsets`: the backward (one block a program; the persistent kernel counts its work items from
-    the offsets), and the forward on one block a program (a tile of several would search for each)."""
-    one_block = call.pass_name == "bwd" or tiles.blocks_per_tile(
-        call.block_size, call.head_dim, call.num_heads // call.num_kv_heads, call.rotate != 0, call.in_block,
-        backward=False) == 1
+    :func:`searches_offsets`: the forward on one block a program (a tile of several would search for each), and
+    the backward where its one-block kernel runs. The persistent backward keeps the table: searching inside its
+    loop over blocks, the loop held another, and Triton pipelines no such loop (triton 3.6, H200: no asynchronous
+    copies left, 0.140 -> 0.232 ms on 8 x 4096 tokens, 8 heads, D = 128)."""
+    group = call.num_heads // call.num_kv_heads
+    if call.pass_name == "bwd":
+        one_block = kernel_config(call.block_size, call.head_dim, backward=True, group=group,
+                                  element_size=call.dtype.itemsize, rotary=call.rotate != 0,
+                                  persistent=not call.in_block)["PIPELINE_STAGES"] == 1
+    else:
+        one_block = tiles.blocks_per_tile(call.block_size, call.head_dim, group, call.rotate != 0, call.in_block,
+                                          backward=False) == 1
     return one_block and searches_offsets(call, num_seqs)
 
 
@@ -947,10 +951,11 @@ def block_attention_bwd_triton(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel: write ``(dq, dk, dv)``, the gradients of the unrotated inputs, into ``grads``
     (new tensors or views of one packed buffer); return the gradients of ``options``' biases (None where absent).
-    ``num_warps`` and ``maxnreg`` override the launch of either kernel. ``slices_per_program`` (1 under GQA),
-    ``chunk`` (the head-dim slice's width: a power of two from 16, 32 with a rotary, up to the padded head dim) and
-    ``group_stages`` (the pipelining depth of the loop over a GQA group's query heads) override the
-    one-block-per-program kernel's choices and select that kernel, as does ``pipeline_stages=1``; ``pipeline_stages``
+    ``num_warps`` and ``maxnreg`` override the launch of either kernel. ``slices_per_program`` (1 under GQA, but
+    where :func:`splits_group`), ``chunk`` (the head-dim slice's width: a power of two from 16, 32 with a rotary,
+    up to the padded head dim) and ``group_stages`` (the pipelining depth of the loop over a GQA group's query
+    heads) override the one-block-per-program kernel's choices and select that kernel, as does
+    ``pipeline_stages=1``; ``pipeline_stages``
     above 1 selects the persistent kernel, whole rows, that many stages deep. They are for tuning sweeps and change
     nothing but the Triton launch; a combination the chosen kernel cannot take is refused."""
     partials = in_block.bias_grad_partials(options, table.num_slots, block_size, q)
@@ -982,9 +987,9 @@ def rotates_apart(block_size: int, head_dim: int, group: int) -> bool:
     registers (1 608 bytes a thread at 8:2, 288 without a rotary; ptxas): the fused backward took 15.7-25.6x the
     floor against 7.0-9.0x for the plain one; rotating apart, 8.6-10.5x (8:4 to 8:1 at D = 256, fp32 and bf16
     angles, the sweep's lengths, H200, 2026-11-28; not measured on an H100). With the group run apart since
-    (:func:`splits_group`), the fused rotation measured 6.24x, 6.94x and 5.79x where rotating apart measured 6.49x,
-    6.50x and 6.42x (8:4 and 8:1 with fp32 angles, 8:2 with bf16 ones; one run each): a mix, so it still rotates
-    apart. Without GQA the fused one is within 1.5x of the plain one (2.96-3.48x against 2.34x there) and stays."""
+    (:func:`splits_group`, its shares then added by ``torch.sum``), the fused rotation measured 6.24x, 6.94x and
+    5.79x where rotating apart measured 6.49x, 6.50x and 6.42x (8:4 and 8:1 with fp32 angles, 8:2 with bf16 ones;
+    one run each): a mix, so it still rotates apart. Without GQA the fused one is within 1.5x of the plain one (2.96-3.48x against 2.34x there) and stays."""
     return block_size == 128 and head_dim > 128 and group > 1
 
 
@@ -1012,10 +1017,37 @@ def splits_group(block_size: int, head_dim: int, group: int) -> bool:
     take two ``[N, Hq, D]`` buffers for the backward's duration, and each is rounded to the gradients' dtype before
     the sum (as an unfused GQA's repeated k and v get theirs): bf16 gradients 50.6-50.8 dB against float64, 52.5
     before. H200, the sweep's lengths, 8 query heads, bf16, D = 256, group apart against in a program (2026-11-28,
-    not measured on an H100): 8:4 4.80x the floor against 7.07x, 8:2 4.78x against 8.16x, 8:1 4.96x against 9.07x;
-    with a rotary (:func:`rotates_apart`) fp32 angles 8:4 6.49x against 8.64x, 8:1 6.50x against 10.31x, bf16
-    angles 8:2 6.42x against 9.70x."""
+    not measured on an H100): 8:4 3.70x the floor against 7.07x, 8:2 4.34x against 8.16x, 8:1 4.76x against 9.07x;
+    with a rotary (:func:`rotates_apart`) fp32 angles 8:4 5.45x against 8.64x, 8:1 6.26x against 10.31x, bf16
+    angles 8:2 5.97x against 9.70x (``torch.sum`` adding the shares: 4.77-4.97x, 6.36-6.53x)."""
     return block_size == 128 and head_dim > 128 and group > 1
+
+
+@triton.jit
+def _sum_group_shares_kernel(shares_ptr, out_ptr, num_tokens, head_dim, stride_on, stride_oh, stride_od,
+                             NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+    # :func:`splits_group`'s sum: a program adds up ROWS tokens' shares ([N, Hq, D], contiguous) of one kv head
+    # over its group's query heads, in order, in fp32 (a kernel, not an ATen op, so that the backward replays).
+    kv_head = tl.program_id(1)
+    tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (tokens < num_tokens)[:, None] & (cols < head_dim)[None, :]
+    shares = shares_ptr + ((tokens * NUM_KV_HEADS + kv_head) * GROUP * head_dim)[:, None] + cols[None, :]
+    total = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    for g in tl.static_range(GROUP):
+        total += tl.load(shares + g * head_dim, mask=mask, other=0.0).to(tl.float32)
+    out = out_ptr + (tokens * stride_on + kv_head * stride_oh)[:, None] + cols[None, :] * stride_od
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _sum_group_shares(shares: torch.Tensor, grad: torch.Tensor) -> None:
+    """``grad[:, h] = sum_g shares[:, h * G + g]``: the query heads' shares of a kv head's gradient added up."""
+    n, hkv, d = grad.shape
+    rows = 16
+    launch(_sum_group_shares_kernel, (triton.cdiv(n, rows), hkv), shares_ptr=shares, out_ptr=grad, num_tokens=n,
+           head_dim=d, **_strides("o", grad), NUM_KV_HEADS=hkv, GROUP=shares.shape[1] // hkv, ROWS=rows,
+           BLOCK_D=triton.next_power_of_2(d), num_warps=4)
 
 
 def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials, grads, *,
@@ -1028,8 +1060,10 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     if split:  # each query head's share, in the gradients' dtype (as an unfused GQA's repeated k and v get theirs)
         dk, dv = (tiles.new_output(q, dtype=g.dtype) for g in (dk, dv))
     two_layouts = q.stride() == dq.stride() and len({t.stride() for t in (k, v, dk, dv)}) == 1
+    # The persistent kernel reads a block table, and the kv head of its group's items
+    persistent = two_layouts and not options.bits and not split and not isinstance(table, OffsetsOnly)
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
-                        rotary=bool(rotate), persistent=two_layouts and not options.bits)
+                        rotary=bool(rotate), persistent=persistent)
     if chunk is not None:
         min_width = min_chunk(bool(rotate))
         if chunk < min_width or chunk > cfg["BLOCK_D"] or chunk & (chunk - 1):
@@ -1040,10 +1074,10 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
             raise ValueError(f"{name} must be at least 1, got {stages}")
     one_block = chunk is not None or group_stages is not None or slices_per_program is not None
     if pipeline_stages is not None:
-        if pipeline_stages > 1 and (rotate or options.bits or one_block or not two_layouts):
+        if pipeline_stages > 1 and (rotate or one_block or not persistent):
             raise ValueError("pipeline_stages > 1 (the persistent backward) takes no rotary, in-block options, chunk, "
-                             "group_stages or slices_per_program, and needs q, dq in one layout and k, v, dk, dv in "
-                             "another")
+                             "group_stages or slices_per_program, nor a GQA group run apart (splits_group), and needs "
+                             "a block table, q, dq in one layout and k, v, dk, dv in another")
         whole_rows = {"CHUNK": cfg["BLOCK_D"], "NUM_CHUNKS": 1} if pipeline_stages > 1 else {}
         cfg = {**cfg, **whole_rows, "PIPELINE_STAGES": pipeline_stages}
     elif one_block:
@@ -1080,4 +1114,4 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     )
     if split:
         for shares, grad in zip((dk, dv), grads[1:]):
-            torch.sum(shares.view(n, k.shape[1], hq // k.shape[1], d), dim=2, out=grad)
+            _sum_group_shares(shares, grad)

@@ -125,17 +125,6 @@ def _slot_sequence(offsets_ptr, slot, num_seqs, BLOCK_SIZE: tl.constexpr, seqs):
 
 
 @triton.jit
-def block_count(block_cum_ptr, offsets_ptr, num_seqs, num_slots, BLOCK_SIZE: tl.constexpr):
-    """Blocks of the batch (the grid slots past them are padding): the table's last cumulative count, or without one
-    (``block_cum_ptr`` None) the first slot of a slot past every block, ``num_slots``, in the offsets' search."""
-    if block_cum_ptr is None:  # one return: triton 3.6 compiles the branch after an early one, loading from None
-        count = _slot_sequence(offsets_ptr, num_slots, num_seqs, BLOCK_SIZE, None)[1]
-    else:
-        count = tl.load(block_cum_ptr + num_seqs - 1)
-    return count
-
-
-@triton.jit
 def block_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, slot, num_seqs, num_tokens, BLOCK_SIZE: tl.constexpr,
                  seqs=None):
     """First row and length of grid slot ``slot``'s block; length 0 for padding slots. From the block table, or
