@@ -54,7 +54,7 @@ def _backward_variants(w, rotary: bool, in_block: bool) -> list[dict]:
         variants += [{"chunk": c, "group_stages": s} for c in widths for s in (1, 2)]
     else:
         variants += [{"chunk": c} for c in widths if c != cfg["CHUNK"]]
-    if not rotary and not in_block:
+    if not rotary and not in_block and not triton_ops.splits_group(w.block_size, w.head_dim, w.heads // w.kv_heads):
         variants += [{"pipeline_stages": s} for s in (2, 3) if s != cfg["PIPELINE_STAGES"]]
     return variants
 

@@ -208,7 +208,7 @@ def test_eager_call_without_a_table(num_seqs, heads, head_dim, kernels, monkeypa
     the Triton kernels run these calls on a Hopper GPU too."""
     if kernels == "triton":
         monkeypatch.delitem(backends.BACKENDS, "sm90-gluon", raising=False)
-    hopper = ON_HOPPER and kernels == "dispatched"
+    hopper = ON_HOPPER and backends.sm90_ops is not None and kernels == "dispatched"
     built = []
     build = custom_ops.build_block_table
     monkeypatch.setattr(custom_ops, "build_block_table", lambda *args: built.append(args) or build(*args))

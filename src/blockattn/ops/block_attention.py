@@ -934,7 +934,7 @@ def block_attention_bwd_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     offsets: torch.Tensor,
-    table: BlockTable,
+    table: BlockTable | OffsetsOnly,
     block_size: int,
     scale: float,
     sinu_pos: torch.Tensor | None,
@@ -949,8 +949,10 @@ def block_attention_bwd_triton(
     group_stages: int | None = None,
     pipeline_stages: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Launch the backward kernel: write ``(dq, dk, dv)``, the gradients of the unrotated inputs, into ``grads``
-    (new tensors or views of one packed buffer); return the gradients of ``options``' biases (None where absent).
+    """Launch the backward kernel over ``table`` (or, an ``OffsetsOnly``, without one: :func:`finds_blocks`; the
+    persistent kernel reads a table, so the one-block kernel runs then): write ``(dq, dk, dv)``, the gradients of
+    the unrotated inputs, into ``grads`` (new tensors or views of one packed buffer); return the gradients of
+    ``options``' biases (None where absent).
     ``num_warps`` and ``maxnreg`` override the launch of either kernel. ``slices_per_program`` (1 under GQA, but
     where :func:`splits_group`), ``chunk`` (the head-dim slice's width: a power of two from 16, 32 with a rotary,
     up to the padded head dim) and ``group_stages`` (the pipelining depth of the loop over a GQA group's query
@@ -1060,7 +1062,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     if split:  # each query head's share, in the gradients' dtype (as an unfused GQA's repeated k and v get theirs)
         dk, dv = (tiles.new_output(q, dtype=g.dtype) for g in (dk, dv))
     two_layouts = q.stride() == dq.stride() and len({t.stride() for t in (k, v, dk, dv)}) == 1
-    # The persistent kernel reads a block table, and the kv head of its group's items
+    # The persistent kernel reads a block table, and runs a kv head's whole group (no split)
     persistent = two_layouts and not options.bits and not split and not isinstance(table, OffsetsOnly)
     cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
                         rotary=bool(rotate), persistent=persistent)
