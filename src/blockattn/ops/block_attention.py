@@ -952,14 +952,13 @@ def block_attention_bwd_triton(
     """Launch the backward kernel over ``table`` (or, an ``OffsetsOnly``, without one: :func:`finds_blocks`; the
     persistent kernel reads a table, so the one-block kernel runs then): write ``(dq, dk, dv)``, the gradients of
     the unrotated inputs, into ``grads`` (new tensors or views of one packed buffer); return the gradients of
-    ``options``' biases (None where absent).
-    ``num_warps`` and ``maxnreg`` override the launch of either kernel. ``slices_per_program`` (1 under GQA, but
-    where :func:`splits_group`), ``chunk`` (the head-dim slice's width: a power of two from 16, 32 with a rotary,
-    up to the padded head dim) and ``group_stages`` (the pipelining depth of the loop over a GQA group's query
-    heads) override the one-block-per-program kernel's choices and select that kernel, as does
-    ``pipeline_stages=1``; ``pipeline_stages``
-    above 1 selects the persistent kernel, whole rows, that many stages deep. They are for tuning sweeps and change
-    nothing but the Triton launch; a combination the chosen kernel cannot take is refused."""
+    ``options``' biases (None where absent). ``num_warps`` and ``maxnreg`` override the launch of either kernel.
+    ``slices_per_program`` (1 under GQA, but where :func:`splits_group`), ``chunk`` (the head-dim slice's width: a
+    power of two from 16, 32 with a rotary, up to the padded head dim) and ``group_stages`` (the pipelining depth
+    of the loop over a GQA group's query heads) override the one-block-per-program kernel's choices and select that
+    kernel, as does ``pipeline_stages=1``; ``pipeline_stages`` above 1 selects the persistent kernel, whole rows,
+    that many stages deep. They are for tuning sweeps and change nothing but the Triton launch; a combination the
+    chosen kernel cannot take is refused."""
     partials = in_block.bias_grad_partials(options, table.num_slots, block_size, q)
     if table.num_slots == 0:
         return in_block.summed_bias_grads(options, partials)
@@ -991,7 +990,8 @@ def rotates_apart(block_size: int, head_dim: int, group: int) -> bool:
     angles, the sweep's lengths, H200, 2026-11-28; not measured on an H100). With the group run apart since
     (:func:`splits_group`, its shares then added by ``torch.sum``), the fused rotation measured 6.24x, 6.94x and
     5.79x where rotating apart measured 6.49x, 6.50x and 6.42x (8:4 and 8:1 with fp32 angles, 8:2 with bf16 ones;
-    one run each): a mix, so it still rotates apart. Without GQA the fused one is within 1.5x of the plain one (2.96-3.48x against 2.34x there) and stays."""
+    one run each): a mix, so it still rotates apart. Without GQA the fused one is within 1.5x of the plain one
+    (2.96-3.48x against 2.34x there) and stays."""
     return block_size == 128 and head_dim > 128 and group > 1
 
 
