@@ -88,15 +88,21 @@ def test_kernels_odd_lengths_gqa(block_size, dtype, poisoned_outputs):
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, block_size), q, k, v, do, offsets, block_size)
 
 
+def record_launches(monkeypatch) -> list[tuple]:
+    """The Triton launchers' launches from now on, as ``(kernel, keyword arguments)``; each still runs."""
+    launched = []
+    launch = triton_ops.launch
+    monkeypatch.setattr(triton_ops, "launch",
+                        lambda kernel, grid, **kw: launched.append((kernel, kw)) or launch(kernel, grid, **kw))
+    return launched
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_forward_tiles_of_small_blocks(block_size, poisoned_outputs, monkeypatch):
     """16- and 32-token blocks run 4 or 2 to a 64-row tile where ``tiles.blocks_per_tile`` says so (under GQA, with a
     rotary), one a program in the plain forward without GQA: the reference's output either way, on lengths whose
     tiles hold blocks of several sequences, partial blocks and padding slots."""
-    launched = []
-    launch = triton_ops.launch
-    monkeypatch.setattr(triton_ops, "launch", lambda kernel, grid, **kw: launched.append(
-        (kw["BLOCKS"], kw["HEADS_PER_PROGRAM"])) or launch(kernel, grid, **kw))
+    launched = record_launches(monkeypatch)
     lengths = odd_lengths(block_size) + [3 * block_size + 7, 1]
     tiles_of = 64 // block_size
     # (heads, head dim, dtype, rotate, blocks a program, heads a program): GQA; a rotary; the plain forward without
@@ -109,7 +115,8 @@ def test_forward_tiles_of_small_blocks(block_size, poisoned_outputs, monkeypatch
         sinu_pos = random_angles(q.shape[0], d, device=KERNEL_DEVICE) if rotate else None
         table = build_block_table(offsets, q.shape[0], block_size)
         out = triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, block_size, d**-0.5, sinu_pos, rotate)
-        assert launched.pop() == (blocks, heads)
+        kw = launched.pop()[1]
+        assert (kw["BLOCKS"], kw["HEADS_PER_PROGRAM"]) == (blocks, heads)
         exact = reference_grads(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos, rotate=rotate)[0]
         close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
         torch.testing.assert_close(out.float(), exact.float(), **close)
@@ -149,10 +156,7 @@ def test_backward_without_a_table(block_size, poisoned_outputs, monkeypatch):
     if block_size == 64:
         cases += [(odd_lengths(64) + [300, 7], (4, 1), 0, 128, torch.float16, {"chunk": 64, "num_warps": 4}),
                   (odd_lengths(64), (2, 2), 0, 128, torch.float16, {"pipeline_stages": 1})]
-    launched = []
-    launch = triton_ops.launch
-    monkeypatch.setattr(triton_ops, "launch", lambda kernel, grid, **kw: launched.append(kernel) or launch(kernel, grid,
-                                                                                                             **kw))
+    launched = record_launches(monkeypatch)
     for lengths, (hq, hkv), rotate, d, dtype, one_block in cases:
         q, k, v, do, offsets = random_inputs(lengths, hq, hkv, d, dtype, KERNEL_DEVICE)
         sinu_pos = random_angles(q.shape[0], d, device=KERNEL_DEVICE) if rotate else None
@@ -164,7 +168,7 @@ def test_backward_without_a_table(block_size, poisoned_outputs, monkeypatch):
             launched.clear()
             triton_ops.block_attention_bwd_triton(do, q, k, v, offsets, table, block_size, d**-0.5, sinu_pos, rotate,
                                                   PLAIN, grads[-1], **overrides)
-        assert launched == [triton_ops._block_attention_bwd_kernel]
+        assert [kernel for kernel, _ in launched] == [triton_ops._block_attention_bwd_kernel]
         for name, on_table, searched in zip("qkv", *grads):
             assert torch.equal(searched, on_table), f"d{name}, lengths {lengths}"
     with pytest.raises(ValueError, match="needs a block table"):
@@ -182,10 +186,7 @@ def test_backward_group_split_at_128_token_blocks_past_d128(heads, dtype, option
     assert triton_ops.splits_group(128, 136, 2) and triton_ops.splits_group(128, 256, 8)
     assert not (triton_ops.splits_group(128, 128, 2) or triton_ops.splits_group(128, 256, 1)
                 or triton_ops.splits_group(64, 256, 2))
-    launched = []
-    launch = triton_ops.launch
-    monkeypatch.setattr(triton_ops, "launch", lambda kernel, grid, **kw: launched.append(kw) or launch(kernel, grid,
-                                                                                                         **kw))
+    launched = record_launches(monkeypatch)
     hq, hkv = heads
     lengths = odd_lengths(128) if HAS_GPU else [0, 1, 129]  # the interpreter: a full block and two partial ones
     _, _, _, do, offsets = random_inputs(lengths, hq, hkv, 136, dtype, KERNEL_DEVICE)
@@ -196,7 +197,7 @@ def test_backward_group_split_at_128_token_blocks_past_d128(heads, dtype, option
     options = in_block.InBlock(causal=True, pos_bias=torch.randn(hq, 255, device=KERNEL_DEVICE)) if options else PLAIN
     results = run_backend("triton", q, k, v, do, offsets, 128, in_block=options,
                           grads=blockattn.custom_ops.split_heads(packed, hq, hkv))
-    assert [kw["HEADS_PER_KV"] for kw in launched if "HEADS_PER_KV" in kw] == [hq // hkv]
+    assert [kw["HEADS_PER_KV"] for _, kw in launched if "HEADS_PER_KV" in kw] == [hq // hkv]
     assert all(g.data_ptr() == p.data_ptr() for g, p in zip(results[1:4], blockattn.custom_ops.split_heads(packed, hq,
                                                                                                             hkv)))
     assert_within_2x_pytorch(results, q, k, v, do, offsets, 128, in_block=options)

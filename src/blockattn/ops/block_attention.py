@@ -1055,8 +1055,9 @@ def _sum_group_shares(shares: torch.Tensor, grad: torch.Tensor) -> None:
 def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials, grads, *,
                 num_warps, maxnreg, slices_per_program, chunk, group_stages, pipeline_stages) -> None:
     n, hq, d = q.shape
-    split = splits_group(block_size, d, hq // k.shape[1])
-    hkv = hq if split else k.shape[1]
+    kv_heads = k.shape[1]
+    split = splits_group(block_size, d, hq // kv_heads)
+    hkv = hq if split else kv_heads  # the kernel's kv heads: the query heads where the group splits
     group = hq // hkv
     dq, dk, dv = grads
     if split:  # each query head's share, in the gradients' dtype (as an unfused GQA's repeated k and v get theirs)
@@ -1112,7 +1113,7 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
         NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
         GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
         INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in kernel_grads),
-        HEADS_PER_KV=hq // k.shape[1] if split else 1,
+        HEADS_PER_KV=hq // kv_heads if split else 1,
     )
     if split:
         for shares, grad in zip((dk, dv), grads[1:]):

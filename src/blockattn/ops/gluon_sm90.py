@@ -28,7 +28,6 @@ else:  # triton 3.6 names it _reinterpret
         return memory._reinterpret(dtype, shape, layout)
 
 
-
 @gluon.constexpr_function
 def mma_layout(rows, cols, warps, operand_dtype):
     """The wgmma accumulator layout of a ``[rows, cols]`` tile over ``warps`` warps, for products of
