@@ -63,7 +63,7 @@ def test_fp8_block_attention_needs_fp8_gpus(capability, gpu_capability):
     fp8 = call("fwd", dtype=torch.float8_e4m3fn)
     if capability >= devices.FP8_CAPABILITY:
         # On Hopper the warp-specialised forward takes D = 128 where it measured faster (2 to 4 query heads a kv
-        # head, 1 at 64-token blocks), the Triton forward the rest.
+        # head, 1 at 64-token blocks) and D = 64 with 2 at 64-token blocks, the Triton forward the rest.
         hopper = "sm90-gluon" if capability[0] == 9 and backends.sm90_fwd_ops is not None else "triton"
         assert select(fp8).name == hopper
         assert select(call("fwd", dtype=torch.float8_e4m3fn, heads=(8, 2))).name == hopper
@@ -71,6 +71,9 @@ def test_fp8_block_attention_needs_fp8_gpus(capability, gpu_capability):
         assert select(call("fwd", dtype=torch.float8_e4m3fn, heads=(8, 8), block_size=32)).name == "triton"
         assert select(call("fwd", dtype=torch.float8_e4m3fn, heads=(8, 1))).name == "triton"
         assert select(call("fwd", dtype=torch.float8_e4m3fn, heads=(8, 2), head_dim=64)).name == "triton"
+        assert select(call("fwd", dtype=torch.float8_e4m3fn, heads=(8, 4), head_dim=64)).name == hopper
+        assert select(call("fwd", dtype=torch.float8_e4m3fn, heads=(8, 4), head_dim=64, block_size=32)).name == (
+            "triton")
     elif capability < (8, 0):
         assert select(fp8).name == "torch"
     else:

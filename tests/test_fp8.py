@@ -79,6 +79,22 @@ def test_sm90_forward(hq, hkv, head_dim, block_size, out_dtype, poisoned_outputs
     assert snr_db(as_float64(out, out_scale), ref) > MIN_SNR_DB[out_dtype]
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("backend", ["sm90-gluon", "triton"])
+def test_a_zero_descale_gives_uniform_weights(backend, block_size, poisoned_outputs):
+    """A q descale of 0 makes every score 0: each row averages its block's values (the masked keys stay out: their
+    -inf is set after the scale, which would make it NaN)."""
+    lengths = odd_lengths(block_size) + [200]
+    offsets = make_offsets(lengths, "cuda")
+    (q, k, v), (_, k_descale, v_descale), exact = quantized_inputs(lengths, 4, 2, 128, "cuda")
+    zero = torch.zeros(1, device="cuda")
+    out = forward_of(backend, q, k, v, offsets, block_size,
+                     fp8_scales=fp8.Fp8Scales(zero, k_descale, v_descale, torch.bfloat16))
+    ref = block_attention_reference(exact[0] * 0, *exact[1:], offsets, block_size=block_size)
+    assert snr_db(out.double(), ref) > MIN_SNR_DB[torch.bfloat16]
+
+
 @pytest.mark.parametrize("head_dim", [32, 128])
 def test_fp8_dot_override(head_dim, poisoned_outputs):
     """q k^T on fp8 tensor cores (the default where slices are 32+ wide) and on operands widened to fp16 both meet

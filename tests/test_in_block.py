@@ -104,15 +104,21 @@ def test_forward_slices_narrow_with_two_tile_options():
     (64, 128, torch.bfloat16, 0, (), None),  # no option
     (16, 64, torch.bfloat16, 0, ("time",), None), (32, 128, torch.bfloat16, 0, ("time",), None),
     (64, 256, torch.bfloat16, 0, ("causal",), None), (64, 64, torch.bfloat16, 0, ("dropout",), None),
-    (64, 128, torch.float32, 0, ("causal",), None), (64, 128, torch.bfloat16, ROTATE_ALL, ("causal",), None)])
-def test_forward_register_cap_only_where_it_measured_faster(block_size, head_dim, dtype, rotate, names, cap):
-    """The forward's register cap of 128 with in-block options holds at 64-token blocks and D = 128 only: elsewhere
-    it measured slower (16- and 32-token blocks, D = 256) or tied."""
+    (64, 128, torch.float32, 0, ("causal",), None), (64, 128, torch.bfloat16, ROTATE_ALL, ("causal",), None),
+    (64, 32, torch.bfloat16, 0, (), 64), (64, 32, torch.float8_e4m3fn, 0, (), 64),  # plain, at D = 32
+    (64, 32, torch.bfloat16, 0, ("causal",), None), (64, 32, torch.bfloat16, ROTATE_ALL, (), None),
+    (32, 32, torch.bfloat16, 0, (), None), (64, 64, torch.bfloat16, 0, (), None)])
+@pytest.mark.parametrize("group", [1, 4])
+def test_forward_register_cap_only_where_it_measured_faster(block_size, head_dim, dtype, rotate, names, cap, group):
+    """The forward's register caps hold where they measured faster: 128 with in-block options at 64-token blocks
+    and D = 128 (elsewhere slower: 16- and 32-token blocks, D = 256; or tied), 64 for the plain forward of 64-token
+    blocks at D = 32 (slower at D = 64, and under GQA, whose programs run the group)."""
     bits = sum({"causal": in_block.CAUSAL, "time": in_block.TIME_BIAS, "dropout": in_block.DROPOUT}[n].value
                for n in names)
     q = torch.empty(2, 4, head_dim, dtype=dtype)
-    cfg = triton_ops.kernel_config(block_size, head_dim, backward=False, element_size=q.element_size(),
-                                   rotary=bool(rotate), in_block_bits=bits)
+    cfg = triton_ops.kernel_config(block_size, head_dim, backward=False, group=group, element_size=q.element_size(),
+                                   rotary=bool(rotate), in_block_bits=bits, num_heads=4)
+    cap = cap if group == 1 else None
     options = InBlock(causal="causal" in names, dropout_p=0.25 if "dropout" in names else 0.0,
                       time_bias=torch.zeros(4, 8) if "time" in names else None)
     assert options.bits == bits

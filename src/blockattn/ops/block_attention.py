@@ -790,9 +790,16 @@ def _register_cap(maxnreg: int | None) -> dict:
 
 def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: int, rotate: int,
                           options: InBlock) -> int | None:
-    """The forward's register cap: 128 with any in-block option at 64-token blocks and D = 128, for 16-bit inputs
-    at 4 warps and one program per query head, without a rotary; else none. The options take the kernel past 128
-    registers a thread (3 programs an SM instead of 4; the time bias 148). At `ads` on an H100 (the plain op 2.151
+    """The forward's register cap, at 64-token blocks, 4 warps and one query head a program, without a rotary: 64
+    at D = 32 without an in-block option, 128 with any at D = 128 for 16-bit inputs; else none.
+
+    At D = 32 the kernel takes 74 registers a thread (fp8, triton 3.6), which fit 6 programs an SM; 64 fit 8, whose
+    loads keep more of the memory busy (H200, the sweep's lengths, 8 query heads, time over the floor, the compiler's
+    choice against 64, 2026-11-28 20:49-20:51 UTC: bf16 1.29 -> 1.25x twice, fp8 1.80 -> 1.70x; at D = 64 it lost,
+    1.05 -> 1.27x in bf16, and under GQA, fp8 1.44 -> 1.75x; 56 failed to compile). Not measured on an H100.
+
+    At D = 128 the options take the kernel past 128 registers a thread (3 programs an SM instead of 4; the time
+    bias 148). At `ads` on an H100 (the plain op 2.151
     ms; 2026-11-25, 02:13-02:28 UTC), capped against the compiler's choice: the causal mask 2.164 against 2.198 ms,
     dropout 2.166 against 2.258, the causal mask with the position bias 2.221 against 2.401, with dropout 2.169
     against 2.285 (the time bias, capped first: 2.325 against 2.400 on 2026-11-24); the position bias alone 2.158
@@ -801,9 +808,11 @@ def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: in
     causal mask and both biases). At other shapes the cap lost or tied (`ads` lengths, H100, 04:05-04:14 UTC): the
     time bias at 16-token blocks (D 64) 1.607 against 1.323 ms, at 32-token blocks (D 128) 2.536 against 2.266, at
     64-token blocks and D 256 2.446 against 2.360; D 64 within 1%."""
-    plain_launch = (cfg["NUM_WARPS"] == 4 and cfg["HEADS_PER_PROGRAM"] == 1 and not rotate
-                    and q.dtype in (torch.float16, torch.bfloat16) and block_size == 64 and q.shape[-1] == 128)
-    return 128 if plain_launch and options.bits else None
+    one_head = cfg["NUM_WARPS"] == 4 and cfg["HEADS_PER_PROGRAM"] == 1 and not rotate and block_size == 64
+    if one_head and q.shape[-1] == 32 and not options.bits:
+        return 64
+    sixteen_bit = q.dtype in (torch.float16, torch.bfloat16)
+    return 128 if one_head and sixteen_bit and q.shape[-1] == 128 and options.bits else None
 
 
 def _takes_heads_per_program(heads: int, num_heads: int, group: int, cfg: MappingProxyType, rotate: int) -> bool:

@@ -188,11 +188,14 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                 k = kv_smem.index(2 * slot)
                 v = kv_smem.index(2 * slot + 1)
                 if FP8:
-                    # Widened (exactly) into this consumer's fp16 tile, the rows past the tile's end zeroed.
-                    values = v.load(widen_layout)
-                    value_rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, widen_layout))
+                    # Widened (exactly) into this consumer's fp16 tile, the rows past the tile's end zeroed (a select
+                    # on full tiles too cost up to 8%: H200, 2026-11-28).
+                    values = v.load(widen_layout).to(gl.float16)
                     v = v16_smem.index(C)
-                    v.store(gl.where((value_rows < length)[:, None], values.to(gl.float16), 0.0))
+                    if length < TILE:
+                        value_rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, widen_layout))
+                        values = gl.where((value_rows < length)[:, None], values, 0.0)
+                    v.store(values)
                     fence_async_shared()
                 elif length < TILE:
                     # The values past the tile's end are the next block's (or TMA's zeros): P is 0 there, but 0 * NaN
@@ -298,16 +301,18 @@ def _triton_faster(call) -> str | None:
     program without GQA, keeps it in its own), at 8 query heads a kv head (1.13-1.49x against 1.31-2.67x), at 4 with
     D = 64 (1.12-1.24x against 1.16-1.30x) and at D = 32 (1.27-1.87x against 1.41-2.67x, a tie at 16-token blocks
     without GQA), where two consumers' chains of products, softmax and stores cannot keep up with the loads. fp8
-    runs here at D = 128 under GQA of 2 to 4 query heads a kv head, and without GQA at 64-token blocks
-    (``benchmarks/hopper_ab.py --dtype float8_e4m3fn``, H200, 2026-11-28, Triton -> this kernel at 64-, 32- and
-    16-token blocks: 8:4 1.36 -> 1.23x, 1.74 -> 1.39x, 1.77 -> 1.52x; 8:2 1.29 -> 1.30x (a tie), 1.64 -> 1.37x,
-    1.71 -> 1.54x; 8:8 1.30 -> 1.18x at 64). The Triton forward keeps fp8 without GQA at 16- and 32-token blocks (a
-    tie, 1.47 and 1.61x against 1.45 and 1.55x, and the NaN exception above), at 8 query heads a kv head
-    (1.29-1.62x against 2.62-3.29x) and at D = 64 and 32 (D = 64: 1.40-1.92x against 1.51-2.86x, a tie at 8:4
-    64-token blocks). Measured on an H200 only (no H100 was lent)."""
+    runs here at D = 128 under GQA of 2 to 4 query heads a kv head, without GQA at 64-token blocks, and at D = 64
+    with 2 at 64-token blocks (``benchmarks/hopper_ab.py --dtype float8_e4m3fn``, H200, 2026-11-28 20:45 UTC,
+    Triton -> this kernel at 64-, 32- and 16-token blocks: 8:4 1.36 -> 1.22x, 1.73 -> 1.32x, 1.76 -> 1.45x; 8:2
+    1.29 -> 1.31x (a tie), 1.63 -> 1.36x, 1.71 -> 1.52x; 8:8 1.30 -> 1.20x at 64; D = 64 8:4 1.54 -> 1.48x at 64).
+    The Triton forward keeps fp8 without GQA at 16- and 32-token blocks (1.46 and 1.59x against 1.37 and 1.48x,
+    for the NaN exception above), at 8 query heads a kv head (1.28-1.62x against 2.47-3.16x) and at D = 64 and 32
+    but the case above (D = 64: 1.39-1.93x against 1.42-2.88x). Measured on an H200 only (no H100 was lent)."""
     group = call.num_heads // call.num_kv_heads
     if call.dtype == fp8.FP8_DTYPE:
         if call.head_dim == 128 and (2 <= group <= 4 or (group == 1 and call.block_size == 64)):
+            return None
+        if call.head_dim == 64 and group == 2 and call.block_size == 64:
             return None
         return "the Triton forward measured faster for fp8 at this head dim, GQA group and block size"
     if call.head_dim == 128 and 2 <= group <= 4:
