@@ -83,8 +83,8 @@ def test_sm90_forward(hq, hkv, head_dim, block_size, out_dtype, poisoned_outputs
 @pytest.mark.parametrize("block_size", [32, 64])
 @pytest.mark.parametrize("backend", ["sm90-gluon", "triton"])
 def test_a_zero_descale_gives_uniform_weights(backend, block_size, poisoned_outputs):
-    """A q descale of 0 makes every score 0: each row averages its block's values (the masked keys stay out: their
-    -inf is set after the scale, which would make it NaN)."""
+    """A q descale of 0 makes every score 0: each row averages its block's values. The masked keys stay out: their
+    -inf is set after the scale (masking first would give 0 * -inf = NaN)."""
     lengths = odd_lengths(block_size) + [200]
     offsets = make_offsets(lengths, "cuda")
     (q, k, v), (_, k_descale, v_descale), exact = quantized_inputs(lengths, 4, 2, 128, "cuda")

@@ -28,7 +28,7 @@ import blockattn
 from blockattn import backends, checks
 from blockattn.block_table import build_block_table
 from blockattn.ops import block_attention as triton_ops
-from blockattn.ops import in_block, plans
+from blockattn.ops import in_block, plans, tiles
 from blockattn.ops.in_block import InBlock, dropout_keep
 from blockattn.ops.tiles import ROTATE_ALL
 from blockattn.reference import block_attention_reference, snr_db
@@ -105,24 +105,27 @@ def test_forward_slices_narrow_with_two_tile_options():
     (16, 64, torch.bfloat16, 0, ("time",), None), (32, 128, torch.bfloat16, 0, ("time",), None),
     (64, 256, torch.bfloat16, 0, ("causal",), None), (64, 64, torch.bfloat16, 0, ("dropout",), None),
     (64, 128, torch.float32, 0, ("causal",), None), (64, 128, torch.bfloat16, ROTATE_ALL, ("causal",), None),
-    (64, 32, torch.bfloat16, 0, (), 64), (64, 32, torch.float8_e4m3fn, 0, (), 64),  # plain, at D = 32
+    (64, 32, torch.bfloat16, 0, (), 64), (64, 32, torch.float16, 0, (), 64),  # plain, at D = 32
+    (64, 32, torch.float8_e4m3fn, 0, (), 64), (64, 32, torch.float32, 0, (), None),
     (64, 32, torch.bfloat16, 0, ("causal",), None), (64, 32, torch.bfloat16, ROTATE_ALL, (), None),
     (32, 32, torch.bfloat16, 0, (), None), (64, 64, torch.bfloat16, 0, (), None)])
 @pytest.mark.parametrize("group", [1, 4])
 def test_forward_register_cap_only_where_it_measured_faster(block_size, head_dim, dtype, rotate, names, cap, group):
     """The forward's register caps hold where they measured faster: 128 with in-block options at 64-token blocks
     and D = 128 (elsewhere slower: 16- and 32-token blocks, D = 256; or tied), 64 for the plain forward of 64-token
-    blocks at D = 32 (slower at D = 64, and under GQA, whose programs run the group)."""
+    blocks at D = 32 but in fp32 (slower at D = 64, and under GQA, whose programs run the group). The rule sees the
+    tile the launcher passes (blocks packed under GQA)."""
     bits = sum({"causal": in_block.CAUSAL, "time": in_block.TIME_BIAS, "dropout": in_block.DROPOUT}[n].value
                for n in names)
     q = torch.empty(2, 4, head_dim, dtype=dtype)
-    cfg = triton_ops.kernel_config(block_size, head_dim, backward=False, group=group, element_size=q.element_size(),
+    tile = block_size * tiles.blocks_per_tile(block_size, head_dim, group, bool(rotate), bits, backward=False)
+    cfg = triton_ops.kernel_config(tile, head_dim, backward=False, group=group, element_size=q.element_size(),
                                    rotary=bool(rotate), in_block_bits=bits, num_heads=4)
     cap = cap if group == 1 else None
     options = InBlock(causal="causal" in names, dropout_p=0.25 if "dropout" in names else 0.0,
                       time_bias=torch.zeros(4, 8) if "time" in names else None)
     assert options.bits == bits
-    assert triton_ops._forward_register_cap(cfg, q, block_size, rotate, options) == cap
+    assert triton_ops._forward_register_cap(cfg, q, tile, rotate, options) == cap
 
 
 @pytest.mark.parametrize("heads,names", [((4, 1), "all")] + ([((2, 2), "causal+pos+time")] if HAS_GPU else []))

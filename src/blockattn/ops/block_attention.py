@@ -791,12 +791,15 @@ def _register_cap(maxnreg: int | None) -> dict:
 def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: int, rotate: int,
                           options: InBlock) -> int | None:
     """The forward's register cap, at 64-token blocks, 4 warps and one query head a program, without a rotary: 64
-    at D = 32 without an in-block option, 128 with any at D = 128 for 16-bit inputs; else none.
+    at D = 32 for 16-bit and fp8 inputs without an in-block option, 128 at D = 128 for 16-bit inputs with any; else
+    none.
 
     At D = 32 the kernel takes 74 registers a thread (fp8, triton 3.6), which fit 6 programs an SM; 64 fit 8, whose
     loads keep more of the memory busy (H200, the sweep's lengths, 8 query heads, time over the floor, the compiler's
     choice against 64, 2026-11-28 20:49-20:51 UTC: bf16 1.29 -> 1.25x twice, fp8 1.80 -> 1.70x; at D = 64 it lost,
-    1.05 -> 1.27x in bf16, and under GQA, fp8 1.44 -> 1.75x; 56 failed to compile). Not measured on an H100.
+    1.05 -> 1.27x in bf16, and under GQA, fp8 1.44 -> 1.75x; 56 failed to compile). Measured on an H200 only, on a
+    block table; it applies on every GPU, and without a table too. fp32 inputs, whose tiles take twice the
+    registers, keep the compiler's choice.
 
     At D = 128 the options take the kernel past 128 registers a thread (3 programs an SM instead of 4; the time
     bias 148). At `ads` on an H100 (the plain op 2.151
@@ -809,7 +812,7 @@ def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: in
     time bias at 16-token blocks (D 64) 1.607 against 1.323 ms, at 32-token blocks (D 128) 2.536 against 2.266, at
     64-token blocks and D 256 2.446 against 2.360; D 64 within 1%."""
     one_head = cfg["NUM_WARPS"] == 4 and cfg["HEADS_PER_PROGRAM"] == 1 and not rotate and block_size == 64
-    if one_head and q.shape[-1] == 32 and not options.bits:
+    if one_head and q.shape[-1] == 32 and q.element_size() <= 2 and not options.bits:
         return 64
     sixteen_bit = q.dtype in (torch.float16, torch.bfloat16)
     return 128 if one_head and sixteen_bit and q.shape[-1] == 128 and options.bits else None

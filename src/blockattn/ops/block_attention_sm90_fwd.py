@@ -31,7 +31,11 @@ consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.
 rotary turned in shared memory by the consumers (1.43-4.42x over two versions, against the Triton forward's
 1.19-1.46x: the angles' registers spill); fewer q slots than the group at D = 64 (8:2 1.41x against 1.16x with
 four); checking the values of tiles of several blocks for NaN or inf, to take the blocks apart where one is found
-(D = 128 8:4: 1.10 -> 1.55x at 32-token blocks, 1.12 -> 1.82x at 16).
+(D = 128 8:4: 1.10 -> 1.55x at 32-token blocks, 1.12 -> 1.82x at 16). For fp8, whose consumers bound it (Nsight
+Compute: 57% of the DRAM throughput at 8:8, where bf16 reaches 86%): more k/v slots a consumer (3 or 4: no gain,
+up to 1.28 -> 1.49x at 8:2), the score scale inside the exponent (8:2 1.28 -> 1.43x), and a fourth partition of two
+warps (40 registers a thread) widening the values for the consumers (D = 128 at 64-token blocks: 1.20-1.31x ->
+1.42-1.58x).
 """
 
 from __future__ import annotations
@@ -305,8 +309,8 @@ def _triton_faster(call) -> str | None:
     with 2 at 64-token blocks (``benchmarks/hopper_ab.py --dtype float8_e4m3fn``, H200, 2026-11-28 20:45 UTC,
     Triton -> this kernel at 64-, 32- and 16-token blocks: 8:4 1.36 -> 1.22x, 1.73 -> 1.32x, 1.76 -> 1.45x; 8:2
     1.29 -> 1.31x (a tie), 1.63 -> 1.36x, 1.71 -> 1.52x; 8:8 1.30 -> 1.20x at 64; D = 64 8:4 1.54 -> 1.48x at 64).
-    The Triton forward keeps fp8 without GQA at 16- and 32-token blocks (1.46 and 1.59x against 1.37 and 1.48x,
-    for the NaN exception above), at 8 query heads a kv head (1.28-1.62x against 2.47-3.16x) and at D = 64 and 32
+    The Triton forward keeps fp8 without GQA at 32- and 16-token blocks (1.46 and 1.59x against 1.37 and 1.48x,
+    for the NaN exception above), at 8 query heads a kv head (1.28-1.61x against 2.47-3.16x) and at D = 64 and 32
     but the case above (D = 64: 1.39-1.93x against 1.42-2.88x). Measured on an H200 only (no H100 was lent)."""
     group = call.num_heads // call.num_kv_heads
     if call.dtype == fp8.FP8_DTYPE:
