@@ -32,17 +32,12 @@ from blockattn.ops.tiles import ROTATE_ALL, ROTATE_NONE
 from blockattn.reference import quantised_fp8, random_angles
 
 
-def _launch_group(w) -> int:
-    """The GQA group the backward's launch rule sees: 1 where the launcher runs the group's query heads apart."""
-    group = w.heads // w.kv_heads
-    return 1 if triton_ops.splits_group(w.block_size, w.head_dim, group) else group
-
-
 def _backward_variants(w, rotary: bool, in_block: bool) -> list[dict]:
     """The default launch, then each slices-per-program choice and each other head-dim slice width (no GQA), or
     under GQA each width with the group's loop one and two stages deep, and (no rotary, no in-block options) the
     persistent kernel at 2 and 3 stages."""
-    cfg = triton_ops.kernel_config(w.block_size, w.head_dim, backward=True, group=_launch_group(w), rotary=rotary,
+    group = triton_ops.backward_group(w.block_size, w.head_dim, w.heads // w.kv_heads)
+    cfg = triton_ops.kernel_config(w.block_size, w.head_dim, backward=True, group=group, rotary=rotary,
                                    persistent=not in_block)
     variants = [{}]
     if w.heads == w.kv_heads:
@@ -90,7 +85,8 @@ def tune(w, tbps: float, rep_ms: int, rotary: bool, caps: tuple, warps_tried: tu
     table_ms = time_ms(lambda: build_block_table(case.offsets, n, bs), rep_ms)["p50"]
     print(f"{w.name} (Hq {w.heads}, Hkv {w.kv_heads}, rotary {rotary}, in-block options {in_block}): N={n} "
           f"floor fwd {floors['fwd']:.3f} ms, bwd {floors['bwd']:.3f} ms; block table alone {table_ms * 1e3:.1f} us")
-    rule = triton_ops.kernel_config(bs, w.head_dim, backward=True, group=_launch_group(w), rotary=rotary,
+    group = triton_ops.backward_group(bs, w.head_dim, w.heads // w.kv_heads)
+    rule = triton_ops.kernel_config(bs, w.head_dim, backward=True, group=group, rotary=rotary,
                                     persistent=not in_block)
     print(f"  the rule's backward ('default' rows, at its warps): {dict(rule)}")
     grads = tuple(torch.empty_like(t) for t in case.inputs)

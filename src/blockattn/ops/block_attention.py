@@ -861,7 +861,8 @@ def finds_blocks(call, num_seqs: int) -> bool:
     copies left, 0.140 -> 0.232 ms on 8 x 4096 tokens, 8 heads, D = 128)."""
     group = call.num_heads // call.num_kv_heads
     if call.pass_name == "bwd":
-        one_block = kernel_config(call.block_size, call.head_dim, backward=True, group=group,
+        one_block = kernel_config(call.block_size, call.head_dim, backward=True,
+                                  group=backward_group(call.block_size, call.head_dim, group),
                                   element_size=call.dtype.itemsize, rotary=call.rotate != 0,
                                   persistent=not call.in_block)["PIPELINE_STAGES"] == 1
     else:
@@ -1007,6 +1008,12 @@ def rotates_apart(block_size: int, head_dim: int, group: int) -> bool:
     return block_size == 128 and head_dim > 128 and group > 1
 
 
+def backward_group(block_size: int, head_dim: int, group: int) -> int:
+    """The query heads a Triton backward program runs for its kv head: 1 where :func:`splits_group`, else the
+    group (what the backward's launch rule, ``kernel_config``, is asked for)."""
+    return 1 if splits_group(block_size, head_dim, group) else group
+
+
 def _bwd_rotated_apart(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, rotate, options, partials,
                        grads, overrides) -> None:
     """:func:`rotates_apart`'s backward: the operands in ``rotate`` rotated as an unfused rotary stores them (in
@@ -1068,9 +1075,9 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
                 num_warps, maxnreg, slices_per_program, chunk, group_stages, pipeline_stages) -> None:
     n, hq, d = q.shape
     kv_heads = k.shape[1]
-    split = splits_group(block_size, d, hq // kv_heads)
-    hkv = hq if split else kv_heads  # the kernel's kv heads: the query heads where the group splits
-    group = hq // hkv
+    group = backward_group(block_size, d, hq // kv_heads)
+    split = group != hq // kv_heads
+    hkv = hq // group  # the kernel's kv heads: the query heads where the group splits
     dq, dk, dv = grads
     if split:  # each query head's share, in the gradients' dtype (as an unfused GQA's repeated k and v get theirs)
         dk, dv = (tiles.new_output(q, dtype=g.dtype) for g in (dk, dv))
