@@ -28,6 +28,7 @@ from blockattn.ops import plans, tiles
 CASES = [
     *(((bs, d, kv, "none"), "fwd", ["rule", "triton", "ws", *(["q2"] if d == 64 and kv <= 2 else [])])
       for bs in (64, 32, 16) for d in (128, 64, 32) for kv in (8, 4, 2, 1)),
+    *(((128, d, kv, "none"), "fwd", ["rule", "triton", "ws"]) for d in (128, 64, 32) for kv in (8, 4, 2, 1)),
     *(((bs, d, kv, rotary), pass_name, ["b1", "tiles"])
       for bs in (16, 32) for d in (32, 64, 128) for kv in (8, 2) for rotary in ("none", "fp32 angles")
       for pass_name in ("fwd", "bwd")),

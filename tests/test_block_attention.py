@@ -204,29 +204,34 @@ def test_backward_group_split_at_128_token_blocks_past_d128(heads, dtype, option
 
 
 def test_kernels_without_a_table_rule():
-    """The Triton forward runs without a table on up to ``FIND_BLOCKS_MAX_SEQS`` sequences, one block a program (not
-    on tiles of several), but with a time bias (whose buckets' table is built from the block table); so does the
+    """The Triton forward runs without a table on up to ``FIND_BLOCKS_MAX_SEQS`` sequences and
+    ``FIND_BLOCKS_MAX_ELEMENTS`` query elements, one block a program (not on tiles of several), but with a time bias
+    (whose buckets' table is built from the block table); so does the
     Triton backward where its one-block kernel runs, not where the persistent one would (64-token blocks, D = 128,
     16-bit, no rotary or in-block option). The Hopper kernels run without one in the backward without GQA, one
     block a program, on as few sequences and without a time bias."""
     call = AttentionCall("fwd", torch.device("cuda"), torch.bfloat16, 4, 4, 128, 64)
     most = triton_ops.FIND_BLOCKS_MAX_SEQS
     finds = backends.BACKENDS["triton"].finds_blocks
-    assert finds(call, 0) and finds(call, most) and not finds(call, most + 1)
-    assert finds(replace(call, block_size=16), 1) and not finds(replace(call, block_size=16, num_kv_heads=2), 1)
-    assert finds(replace(call, in_block=in_block.CAUSAL.value | in_block.POS_BIAS.value | in_block.DROPOUT.value), 1)
-    assert not finds(replace(call, in_block=in_block.TIME_BIAS.value), 1)
+    assert finds(call, 0, 1) and finds(call, most, 1) and not finds(call, most + 1, 1)
+    tokens = triton_ops.FIND_BLOCKS_MAX_ELEMENTS // (call.num_heads * call.head_dim)
+    assert finds(call, most, tokens) and not finds(call, 1, tokens + 1)
+    assert finds(replace(call, block_size=16), 1, 1) and not finds(replace(call, block_size=16, num_kv_heads=2), 1, 1)
+    assert finds(replace(call, in_block=in_block.CAUSAL.value | in_block.POS_BIAS.value | in_block.DROPOUT.value), 1, 1)
+    assert not finds(replace(call, in_block=in_block.TIME_BIAS.value), 1, 1)
     backward = replace(call, pass_name="bwd")
-    assert not finds(backward, 1) and not finds(replace(backward, num_kv_heads=2), 1)  # the persistent kernel's
+    assert not finds(backward, 1, 1) and not finds(replace(backward, num_kv_heads=2), 1, 1)  # the persistent kernel's
     for one_block in ({"head_dim": 64}, {"rotate": ROTATE_ALL}, {"in_block": in_block.CAUSAL.value},
                       {"dtype": torch.float32}, {"block_size": 16, "num_kv_heads": 2}):
-        assert finds(replace(backward, **one_block), most) and not finds(replace(backward, **one_block), most + 1)
-    assert not finds(replace(backward, head_dim=64, in_block=in_block.TIME_BIAS.value), 1)
+        changed = replace(backward, **one_block)
+        assert finds(changed, most, 1) and not finds(changed, most + 1, 1)
+    assert not finds(replace(backward, head_dim=64, in_block=in_block.TIME_BIAS.value), 1, 1)
     hopper = backends.BACKENDS["sm90-gluon"].finds_blocks
-    assert hopper(backward, most) and not hopper(backward, most + 1) and not hopper(call, 1)
-    assert hopper(replace(backward, in_block=in_block.CAUSAL.value | in_block.POS_BIAS.value, rotate=ROTATE_ALL), 1)
-    assert not hopper(replace(backward, in_block=in_block.TIME_BIAS.value), 1)
-    assert not hopper(replace(backward, num_kv_heads=2), 1) and not hopper(replace(backward, block_size=16), 1)
+    assert hopper(backward, most, 1) and not hopper(backward, most + 1, 1) and not hopper(call, 1, 1)
+    assert hopper(backward, 1, tokens) and not hopper(backward, 1, tokens + 1)
+    assert hopper(replace(backward, in_block=in_block.CAUSAL.value | in_block.POS_BIAS.value, rotate=ROTATE_ALL), 1, 1)
+    assert not hopper(replace(backward, in_block=in_block.TIME_BIAS.value), 1, 1)
+    assert not hopper(replace(backward, num_kv_heads=2), 1, 1) and not hopper(replace(backward, block_size=16), 1, 1)
     assert backends.BACKENDS["torch"].finds_blocks is None
 
 

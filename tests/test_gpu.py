@@ -220,9 +220,10 @@ def test_eager_call_without_a_table(num_seqs, heads, head_dim, kernels, monkeypa
     backward_call = AttentionCall.of("bwd", q, k, 64, 0, 0, tensors=(q, k, v, do),
                                      grads=tuple(map(torch.empty_like, (q, k, v))))
     tableless, backward_tableless = (backends.select(call).finds_blocks is not None
-                                     and backends.select(call).finds_blocks(call, num_seqs)
+                                     and backends.select(call).finds_blocks(call, num_seqs, q.shape[0])
                                      for call in (forward_call, backward_call))
-    few = num_seqs <= triton_ops.FIND_BLOCKS_MAX_SEQS
+    few = (num_seqs <= triton_ops.FIND_BLOCKS_MAX_SEQS
+           and q.shape[0] * heads[0] * head_dim <= triton_ops.FIND_BLOCKS_MAX_ELEMENTS)
     assert tableless == (few and (heads != (8, 2) or not hopper))
     assert backward_tableless == (few and (heads[0] == heads[1] if hopper else head_dim <= 64))
     with torch.no_grad():
@@ -414,14 +415,14 @@ def test_sm90_backward_blocks_in_tiles(dtype, block_size, head_dim, heads, rotat
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("heads", [(3, 3), (4, 2), (6, 2), (8, 1), (8, 4)], ids=lambda h: f"{h[0]}:{h[1]}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sm90_forward_accuracy_contract(dtype, heads, head_dim, block_size, poisoned_outputs):
     """Every shape the kernel takes, on odd lengths: 64-row tiles of one 64-token block or of several sequences'
-    16- and 32-token blocks, partial blocks, padding slots; groups of 1 to 8 query heads, odd and even (at D = 128
-    fewer q slots than the group)."""
+    16- and 32-token blocks, 128-token blocks in two halves (blocks of up to 64 tokens among them), partial blocks,
+    padding slots; groups of 1 to 8 query heads, odd and even (at D = 128 fewer q slots than the group)."""
     q, k, v, do, offsets = random_inputs(random_lengths(6, 400, block_size), *heads, head_dim, dtype, "cuda")
     assert backends.sm90_fwd_ops.kernel_reason(AttentionCall.of("fwd", q, k, block_size, 0, tensors=(q, k, v))) is None
     out = forward_of("sm90-gluon", q, k, v, offsets, block_size)
@@ -430,17 +431,20 @@ def test_sm90_forward_accuracy_contract(dtype, heads, head_dim, block_size, pois
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("backend", ["sm90-gluon", "triton"])
-def test_forward_nan_stays_in_its_block(backend):
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_forward_nan_stays_in_its_block(backend, block_size):
     """A NaN in one sequence's q, k, v reaches no other row, though the kernels load it with the rows of the
-    partial block before it (there zeroed before the product). (Tiles of several 16- or 32-token blocks do not keep
-    a NaN or inf of v in its block: docs/semantics.md.)"""
-    lengths = [40, 23, 64, 9, 70]
+    partial block before it (there zeroed before the product: at 128-token blocks each consumer zeroes half the
+    rows, here the first sequence's second half). (Tiles of several 16- or 32-token blocks do not keep a NaN or
+    inf of v in its block: docs/semantics.md.)"""
+    scale = block_size // 64
+    lengths = [40 * scale + 30 * (scale - 1), 23, 64 * scale, 9, 70 * scale]
     q, k, v, _, offsets = random_inputs(lengths, 8, 2, 64, torch.bfloat16, "cuda")
-    clean = forward_of(backend, q, k, v, offsets, 64)
-    poisoned = slice(40, 63)  # the second sequence
+    clean = forward_of(backend, q, k, v, offsets, block_size)
+    poisoned = slice(lengths[0], lengths[0] + lengths[1])  # the second sequence
     for t in (q, k, v):
         t[poisoned] = float("nan")
-    out = forward_of(backend, q, k, v, offsets, 64)
+    out = forward_of(backend, q, k, v, offsets, block_size)
     outside = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
     outside[poisoned] = False
     assert torch.equal(out[outside], clean[outside])

@@ -22,9 +22,9 @@ def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = check
 
     A model with many attention layers, or a serving loop that runs one batch through several calls, builds it once
     per batch: each call then skips building the block table (the offsets' checks and a GPU launch), as
-    FlexAttention's ``BlockMask`` is built once and reused. (An eager call on up to 64 sequences needs none where
-    its kernels find their blocks in the offsets: the Triton forward, the Triton backward's one-block kernel and the
-    Hopper backward without GQA, one block a program.) The values of ``offsets`` are checked here, as a call checks
+    FlexAttention's ``BlockMask`` is built once and reused. (An eager call on up to 64 sequences and 2^22 query
+    elements needs none where its kernels find their blocks in the offsets: the Triton forward, the Triton
+    backward's one-block kernel and the Hopper backward without GQA, one block a program.) The values of ``offsets`` are checked here, as a call checks
     them (a ``ValueError`` on the CPU, a device-side assertion on a GPU: no host synchronisation).
 
     With ``timestamps`` the layout also holds the batch's time buckets: every pair of tokens of a block, bucketed

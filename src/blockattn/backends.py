@@ -115,7 +115,7 @@ def _sm90_why_not(call: AttentionCall) -> str | None:
     return _hopper_reason(call.device) or (sm90_fwd_ops if call.pass_name == "fwd" else sm90_ops).why_not(call)
 
 
-def _sm90_finds_blocks(call: AttentionCall, num_seqs: int) -> bool:
+def _sm90_finds_blocks(call: AttentionCall, num_seqs: int, num_tokens: int) -> bool:
     """Whether the Hopper kernels run ``call`` without a block table (``Backend.finds_blocks``): the backward
     without GQA, one block a program, where ``triton_ops.searches_offsets``. Not the GQA backward, which spills more
     registers searching (ptxas of triton 3.6 for sm_90: 8 -> 88 bytes at D = 128, 16 -> 40 at D = 64), nor the
@@ -123,7 +123,7 @@ def _sm90_finds_blocks(call: AttentionCall, num_seqs: int) -> bool:
     return (call.pass_name == "bwd" and call.num_heads == call.num_kv_heads
             and tiles.blocks_per_tile(call.block_size, call.head_dim, 1, call.rotate != 0, call.in_block,
                                       backward=True) == 1
-            and triton_ops.searches_offsets(call, num_seqs))
+            and triton_ops.searches_offsets(call, num_seqs, num_tokens))
 
 
 def _torch_why_not(call: AttentionCall) -> str | None:
@@ -139,9 +139,9 @@ class Backend:
     why_not: Callable[[AttentionCall], str | None]
     forward: Callable | None = None
     backward: Callable | None = None
-    # ``finds_blocks(call, num_seqs)``: whether the kernel of ``call`` (either pass) runs without a block table
-    # (``block_table.OffsetsOnly``; None: never).
-    finds_blocks: Callable[[AttentionCall, int], bool] | None = None
+    # ``finds_blocks(call, num_seqs, num_tokens)``: whether the kernel of ``call`` (either pass) runs without a block
+    # table (``block_table.OffsetsOnly``; None: never).
+    finds_blocks: Callable[[AttentionCall, int, int], bool] | None = None
 
     @functools.cached_property  # read at every call (select): computed once
     def passes(self) -> tuple[str, ...]:
@@ -163,8 +163,8 @@ BACKENDS: dict[str, Backend] = {
                 "at D = 32 to 256 but for the rotary without GQA from D = 4 x block size; with or without GQA, "
                 "fp16/bf16, plain or rotary; the in-block options at 64-token blocks up to D = 128, under GQA not both "
                 "biases together). Forward: warp-specialised and persistent, a TMA producer warp and two consumer "
-                "warpgroups (64-row tiles, D = 32 to 128, fp16/bf16/fp8, plain; where it measured faster than the "
-                "Triton forward)", _sm90_why_not,
+                "warpgroups (64-row tiles, D = 32 to 128, fp16/bf16/fp8, plain; 128-token blocks in two halves, "
+                "fp16/bf16; where it measured faster than the Triton forward)", _sm90_why_not,
                 forward=None if sm90_fwd_ops is None else sm90_fwd_ops.block_attention_fwd_sm90,
                 backward=None if sm90_ops is None else sm90_ops.block_attention_bwd_sm90,
                 finds_blocks=_sm90_finds_blocks),

@@ -112,7 +112,7 @@ def _call_table(backend: backends.Backend, call: AttentionCall, offsets: torch.T
     if block_cum is not None:
         return BlockTable(block_cum, block_seq)
     num_seqs = offsets.shape[0] - 1
-    if backend.finds_blocks is not None and backend.finds_blocks(call, num_seqs):
+    if backend.finds_blocks is not None and backend.finds_blocks(call, num_seqs, num_tokens):
         return OffsetsOnly(max_blocks(num_tokens, num_seqs, block_size))
     return build_block_table(offsets, num_tokens, block_size)
 

@@ -844,16 +844,22 @@ def _strides(prefix: str, t: torch.Tensor) -> dict:
 # The most sequences on which the kernels run without a block table: each program then reads the offsets of all of
 # them (one chunk of tiles.OFFSETS_CHUNK) to find its block.
 FIND_BLOCKS_MAX_SEQS = 64
+# The most query elements (tokens x heads x head dim) of a call without a block table: where the host's time sets a
+# call's (2^22: some 8 µs of a forward's loads at 4 TB/s), not past it, where the kernels' search costs more than a
+# table's launch (H200, 2026-11-28: 128-token blocks at D = 256, 8 heads, 67 827 tokens in ~50 sequences, the
+# forward 0.34 -> 0.52 ms without a table; 64 x 1400 tokens, 4 heads, D = 128, 92.5 -> 98.6 µs an eager call).
+FIND_BLOCKS_MAX_ELEMENTS = 2**22
 
 
-def searches_offsets(call, num_seqs: int) -> bool:
+def searches_offsets(call, num_seqs: int, num_tokens: int) -> bool:
     """Whether a kernel that can find its blocks in the offsets should, for ``call`` (``backends.AttentionCall``)
-    on ``num_seqs`` sequences: on few sequences, and without a time bias, whose buckets' table is built from the
-    block table."""
-    return num_seqs <= FIND_BLOCKS_MAX_SEQS and not call.in_block & in_block.TIME_BIAS.value
+    on ``num_seqs`` sequences and ``num_tokens`` tokens: on few sequences and a small batch, and without a time
+    bias, whose buckets' table is built from the block table."""
+    return (num_seqs <= FIND_BLOCKS_MAX_SEQS and num_tokens * call.num_heads * call.head_dim <= FIND_BLOCKS_MAX_ELEMENTS
+            and not call.in_block & in_block.TIME_BIAS.value)
 
 
-def finds_blocks(call, num_seqs: int) -> bool:
+def finds_blocks(call, num_seqs: int, num_tokens: int) -> bool:
     """Whether the Triton kernels run ``call`` without a block table (``block_table.OffsetsOnly``), where
     :func:`searches_offsets`: the forward on one block a program (a tile of several would search for each), and
     the backward where its one-block kernel runs. The persistent backward keeps the table: searching inside its
@@ -868,7 +874,7 @@ def finds_blocks(call, num_seqs: int) -> bool:
     else:
         one_block = tiles.blocks_per_tile(call.block_size, call.head_dim, group, call.rotate != 0, call.in_block,
                                           backward=False) == 1
-    return one_block and searches_offsets(call, num_seqs)
+    return one_block and searches_offsets(call, num_seqs, num_tokens)
 
 
 def block_attention_fwd_triton(

@@ -1,5 +1,5 @@
-"""The forward of block attention on Hopper (sm_90) under GQA: a warp-specialised, persistent Gluon kernel, its
-launcher, and when the dispatcher gives it a call (:func:`why_not`).
+"""The forward of block attention on Hopper (sm_90), mostly under GQA: warp-specialised, persistent Gluon kernels,
+their launcher, and when the dispatcher gives them a call (:func:`why_not`).
 
 The Triton forward runs one chain a program (load, ``Q K^T``, softmax, ``P V``, store) with few programs an SM
 under GQA, so too few loads are in flight for an H200's memory (Nsight Compute, 2026-11-28: half of a warp's wait on
@@ -15,6 +15,13 @@ kv head) in turn, and
   memory; the next head's is issued before this head's softmax), the exact softmax of the whole tile (one tile holds
   every key: no online rescaling), ``O = P V`` with ``P`` in registers, and stores its rows of ``O``.
 
+128-token blocks (16-bit inputs) run in halves (:func:`_block_attention_fwd_sm90_halves_kernel`): an item is a
+block and a kv head, whose k and v the producer lands once (two slots, each released by both consumers), and each
+consumer takes 64 of the block's query rows against its 128 keys (one consumer holding a 128-row score tile would
+need 128 registers a thread for it alone). The consumers zero the values past a partial block's end half each,
+then wait for each other on a barrier. Under GQA the consumers' loop over the group unrolls at most 4 heads
+(:func:`_heads_a_run`).
+
 Every program finds its items' bounds 32 at a time (one vector of loads for the batch instead of a chain of
 dependent loads per item). Rows past the tile's end are the next block's (or TMA's zeros): their keys are masked,
 their values zeroed in shared memory before the product (a NaN there must not reach this block), their outputs not
@@ -27,7 +34,9 @@ past the tile's end zeroed there, and ``P`` is fp16. The descales are read on th
 saturated to e4m3's range.
 
 What did not pay (H200, the sweep's lengths, bf16, time over the floor; docs/benchmarks.md, 2026-11-28): three
-consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.60x against 1.11x with two); the
+consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.60x against 1.11x with two; for
+fp8, faster only without GQA at D = 64, 1.44 -> 1.30x, and at 32-token blocks, where the tiles' NaN rule keeps the
+Triton forward; 2026-11-28 21:54 UTC); the
 rotary turned in shared memory by the consumers (1.43-4.42x over two versions, against the Triton forward's
 1.19-1.46x: the angles' registers spill); fewer q slots than the group at D = 64 (8:2 1.41x against 1.16x with
 four); checking the values of tiles of several blocks for NaN or inf, to take the blocks apart where one is found
@@ -143,8 +152,42 @@ def _q_ready(q_smem, q_ready, qn, Q_SLOTS: gl.constexpr, C: gl.constexpr):
 
 
 @gluon.jit
+def _item_heads(q_smem, q_ready, q_empty, k, v, kv_released, first_q, length, start, kv_head, o_ptr, stride_on,
+                qk_scale_log2, out_factor, keys, offs_j, rows, cols, s_zero, o_zero, p_layout: gl.constexpr,
+                out_layout: gl.constexpr, Q_SLOTS: gl.constexpr, C: gl.constexpr, GROUP: gl.constexpr,
+                RUN: gl.constexpr, FP8: gl.constexpr):
+    """A consumer's work on one item, every query head of its group in turn (q tiles ``first_q ...`` of consumer
+    ``C``): ``S = Q K^T``, the exact softmax over the item's keys (``keys``: :func:`tiles.same_block`'s, or None),
+    ``O = P V``, the rows ``rows`` of ``O`` stored up to ``length``; ``kv_released`` arrived on after the last head.
+    Unrolled ``RUN`` heads at a time (:func:`_heads_a_run`: an asynchronous product's handle cannot cross a loop
+    iteration), within which the next head's ``Q K^T`` runs while this head's softmax does."""
+    D: gl.constexpr = q_smem.shape[2]
+    pv_dtype: gl.constexpr = gl.float16 if FP8 else q_smem.dtype
+    for run in range(GROUP // RUN):
+        q, q_slot = _q_ready(q_smem, q_ready, first_q + run * RUN, Q_SLOTS, C)
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        for u in gl.static_range(RUN):
+            g = run * RUN + u
+            scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.arrive(q_empty.index(q_slot))
+            if u + 1 < RUN:
+                q, q_slot = _q_ready(q_smem, q_ready, first_q + g + 1, Q_SLOTS, C)
+                s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            p = softmax_probs(scores, offs_j < length, qk_scale_log2, keys=keys)
+            p = gl.convert_layout(p.to(pv_dtype), p_layout)
+            o = warpgroup_mma(p, v, o_zero, use_acc=False, is_async=True)
+            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+            mbarrier.arrive(kv_released, pred=g == GROUP - 1)
+            o = fp8_output(o, out_factor, FP8, o_ptr.dtype.element_ty)
+            out = gl.convert_layout(o.to(o_ptr.dtype.element_ty), out_layout)
+            base = o_ptr + start * stride_on + (kv_head * GROUP + g) * D
+            gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :], out,
+                     mask=(rows < length)[:, None])
+
+
+@gluon.jit
 def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr,
-              FP8: gl.constexpr, C: gl.constexpr):
+              FP8: gl.constexpr, RUN: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup ``C``: the items ``j`` of this program with ``j % _CONSUMERS == C``, every query head of
     each; the next head's ``Q K^T`` runs while this one's softmax does."""
     (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, o_ptr, stride_on, block_seq_ptr, block_cum_ptr, offsets_ptr,
@@ -213,26 +256,9 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                     keys = same_block(offs_i, offs_j, _pick(seconds, i), TILE, TILE)
                 else:
                     keys = None
-                # Unrolled: an asynchronous product's handle cannot cross a loop iteration (GROUP <= _MAX_GROUP).
-                # The next head's Q K^T runs while this head's softmax does.
-                q, q_slot = _q_ready(q_smem, q_ready, done * GROUP, Q_SLOTS, C)
-                s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                for g in gl.static_range(GROUP):
-                    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                    mbarrier.arrive(q_empty.index(q_slot))
-                    if g + 1 < GROUP:
-                        q, q_slot = _q_ready(q_smem, q_ready, done * GROUP + g + 1, Q_SLOTS, C)
-                        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    p = softmax_probs(scores, offs_j < length, qk_scale_log2, keys=keys)
-                    p = gl.convert_layout(p.to(pv_dtype), p_layout)
-                    o = warpgroup_mma(p, v, o_zero, use_acc=False, is_async=True)
-                    o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
-                    mbarrier.arrive(kv_empty.index(slot), pred=g == GROUP - 1)
-                    o = fp8_output(o, out_factor, FP8, o_ptr.dtype.element_ty)
-                    out = gl.convert_layout(o.to(o_ptr.dtype.element_ty), out_layout)
-                    base = o_ptr + start * stride_on + (kv_head * GROUP + g) * D
-                    gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :], out,
-                             mask=(rows < length)[:, None])
+                _item_heads(q_smem, q_ready, q_empty, k, v, kv_empty.index(slot), done * GROUP, length, start, kv_head,
+                            o_ptr, stride_on, qk_scale_log2, out_factor, keys, offs_j, rows, cols, s_zero, o_zero,
+                            p_layout, out_layout, Q_SLOTS, C, GROUP, RUN, FP8)
                 done += 1
 
 
@@ -242,7 +268,7 @@ def _block_attention_fwd_sm90_kernel(
     num_seqs, num_tokens, num_items, qk_scale_log2, stride_on, q_descale_ptr, k_descale_ptr, v_descale_ptr,
     out_scale_ptr,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, KV_SLOTS: gl.constexpr,
-    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr, FP8: gl.constexpr,
+    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr, FP8: gl.constexpr, RUN: gl.constexpr,
 ):
     TILE: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -272,17 +298,159 @@ def _block_attention_fwd_sm90_kernel(
             v_descale_ptr, out_scale_ptr)
     loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr,
              block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items)
-    gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 0)),
-                        (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 1)),
+    gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, RUN, 0)),
+                        (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, RUN, 1)),
                         (_producer, (loads, NUM_KV_HEADS, GROUP, BLOCKS, BATCH))],
                        [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+@gluon.jit
+def _halves_producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BATCH: gl.constexpr):
+    """One warp, at 128-token blocks: for each item (a block and a kv head), once both consumers released the
+    slot, k and v into the next k/v slot, then for each query head the block's two 64-row halves of q, one into
+    each consumer's next q slot."""
+    (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr, block_cum_ptr,
+     offsets_ptr, num_seqs, num_tokens, num_items) = loads
+    TILE: gl.constexpr = q_smem.shape[1]
+    KEYS: gl.constexpr = kv_smem.shape[1]
+    D: gl.constexpr = q_smem.shape[2]
+    KV_SLOTS: gl.constexpr = kv_smem.shape[0] // 2
+    Q_SLOTS: gl.constexpr = q_smem.shape[0] // _CONSUMERS
+    count = (num_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+    loaded = 0
+    for first in range(0, count, BATCH):
+        starts, lengths, _, _, _ = _batch_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
+                                                 num_items, first, NUM_KV_HEADS, KEYS, 1, BATCH)
+        for i in range(gl.minimum(BATCH, count - first)):
+            if _pick(lengths, i) > 0:
+                row = _pick(starts, i).to(gl.int32)
+                kv_head = (gl.program_id(0) + (first + i) * gl.num_programs(0)) % NUM_KV_HEADS
+                slot = loaded % KV_SLOTS
+                # A fresh barrier counts as completed in the phase before its first: the first wait returns at once.
+                mbarrier.wait(kv_empty.index(slot), ((loaded // KV_SLOTS) & 1) ^ 1)
+                landed = kv_ready.index(slot)
+                mbarrier.expect(landed, 2 * k_desc.block_type.nbytes)
+                tma_load(k_desc, [row, kv_head * D], landed, kv_smem.index(2 * slot))
+                tma_load(v_desc, [row, kv_head * D], landed, kv_smem.index(2 * slot + 1))
+                for g in range(GROUP):
+                    qn = loaded * GROUP + g
+                    for half in gl.static_range(_CONSUMERS):
+                        q_slot = half * Q_SLOTS + qn % Q_SLOTS
+                        mbarrier.wait(q_empty.index(q_slot), ((qn // Q_SLOTS) & 1) ^ 1)
+                        mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
+                        tma_load(q_desc, [row + half * TILE, (kv_head * GROUP + g) * D], q_ready.index(q_slot),
+                                 q_smem.index(q_slot))
+                loaded += 1
+
+
+@gluon.jit
+def _halves_consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BATCH: gl.constexpr,
+                     RUN: gl.constexpr, C: gl.constexpr):
+    """Consumer warpgroup ``C`` at 128-token blocks: query rows ``[64 C, 64 C + 64)`` of every item of this
+    program, against the block's 128 keys; the next head's ``Q K^T`` runs while this one's softmax does."""
+    (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, values_fixed, o_ptr, stride_on, block_seq_ptr,
+     block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items, qk_scale_log2) = work
+    TILE: gl.constexpr = q_smem.shape[1]
+    KEYS: gl.constexpr = kv_smem.shape[1]
+    D: gl.constexpr = q_smem.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    KV_SLOTS: gl.constexpr = kv_smem.shape[0] // 2
+    Q_SLOTS: gl.constexpr = q_smem.shape[0] // _CONSUMERS
+    s_layout: gl.constexpr = mma_layout(TILE, KEYS, 4, dtype)
+    o_layout: gl.constexpr = mma_layout(TILE, D, 4, dtype)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    out_layout: gl.constexpr = rows_layout(D, 4)
+    offs_j = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+    rows = C * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, out_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, out_layout))
+    s_zero = gl.zeros([TILE, KEYS], gl.float32, s_layout)
+    o_zero = gl.zeros([TILE, D], gl.float32, o_layout)
+    count = (num_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+    done = 0
+    fixes = 0  # partial blocks, whose values both consumers fix (the phase of values_fixed)
+    for first in range(0, count, BATCH):
+        starts, lengths, _, _, _ = _batch_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
+                                                 num_items, first, NUM_KV_HEADS, KEYS, 1, BATCH)
+        for i in range(gl.minimum(BATCH, count - first)):
+            length = _pick(lengths, i)
+            if length > 0:
+                start = _pick(starts, i)
+                kv_head = (gl.program_id(0) + (first + i) * gl.num_programs(0)) % NUM_KV_HEADS
+                slot = done % KV_SLOTS
+                mbarrier.wait(kv_ready.index(slot), (done // KV_SLOTS) & 1)
+                k = kv_smem.index(2 * slot)
+                v = kv_smem.index(2 * slot + 1)
+                if length < KEYS:
+                    # The values past the block's end are the next block's (or TMA's zeros): P is 0 there, but
+                    # 0 * NaN is not. Each consumer zeroes its half of the rows, then waits for the other's.
+                    _zero_values_past(v, 0, length, C, False)
+                    fence_async_shared()
+                    mbarrier.arrive(values_fixed)
+                    mbarrier.wait(values_fixed, fixes & 1)
+                    fixes += 1
+                # Query rows past the block's end (the second half of a block of up to 64 tokens) are computed
+                # and not stored.
+                _item_heads(q_smem, q_ready, q_empty, k, v, kv_empty.index(slot), done * GROUP, length, start, kv_head,
+                            o_ptr, stride_on, qk_scale_log2, 1.0, None, offs_j, rows, cols, s_zero, o_zero, p_layout,
+                            out_layout, Q_SLOTS, C, GROUP, RUN, False)
+                done += 1
+
+
+@gluon.jit
+def _block_attention_fwd_sm90_halves_kernel(
+    q_desc, k_desc, v_desc, o_ptr, block_seq_ptr, block_cum_ptr, offsets_ptr,
+    num_seqs, num_tokens, num_items, qk_scale_log2, stride_on,
+    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, KV_SLOTS: gl.constexpr, Q_SLOTS: gl.constexpr,
+    BATCH: gl.constexpr, RUN: gl.constexpr,
+):
+    TILE: gl.constexpr = q_desc.block_type.shape[0]
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    kv_smem = gl.allocate_shared_memory(dtype, [2 * KV_SLOTS, KEYS, D], k_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS * Q_SLOTS, TILE, D], q_desc.layout)
+    # Landed (the producer's TMA) and released (by both consumers) for each k/v slot; landed and released for each
+    # q slot; the values of a partial block zeroed by both consumers.
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_SLOTS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    values_fixed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(KV_SLOTS):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=_CONSUMERS)
+    for i in gl.static_range(_CONSUMERS * Q_SLOTS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    mbarrier.init(values_fixed.index(0), count=_CONSUMERS)
+    work = (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, values_fixed.index(0), o_ptr, stride_on,
+            block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items, qk_scale_log2)
+    loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr,
+             block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items)
+    gl.warp_specialize([(_halves_consumer, (work, NUM_KV_HEADS, GROUP, BATCH, RUN, 0)),
+                        (_halves_consumer, (work, NUM_KV_HEADS, GROUP, BATCH, RUN, 1)),
+                        (_halves_producer, (loads, NUM_KV_HEADS, GROUP, BATCH))],
+                       [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+def _heads_a_run(group: int) -> int:
+    """Query heads a consumer's loop over the group unrolls (within a run the next head's ``Q K^T`` runs during this
+    head's softmax): the whole group up to 4, else runs of 2 (or 1 for an odd group). Each unrolled head is a copy of
+    the body, and 8 copies slowed both kernels (H200, 2026-11-28, 8 query heads a kv head, time over the floor, 8 ->
+    4 -> 2 a run: 128-token blocks at D = 128 3.50 -> 2.02 -> 1.70x, at D = 64 4.62 -> 2.56 -> 2.11x; fp8 at
+    64-token blocks, D = 128, 2.47 -> 1.47 -> 1.35x), where with 4 query heads a kv head runs of 2 lost (1.44 ->
+    1.75x at 128-token blocks, D = 128)."""
+    if group <= 4:
+        return group
+    return 2 if group % 2 == 0 else 1
 
 
 def _q_slots(head_dim: int, group: int, element_size: int) -> int:
     """q slots a consumer: the whole group's (up to 8), as many as :data:`_RING_BYTES` holds beside the k/v slots
     (and, for fp8, the consumers' values widened to 16 bits; the compiler's staging of the outputs takes the rest
     of the shared memory), at least two: the producer waits for a free q slot, and with fewer slots than the group
-    it cannot load the other consumer's next item meanwhile."""
+    it cannot load the other consumer's next item meanwhile. At 128-token blocks the two shared k/v slots hold as
+    many bytes as the four 64-row ones of the other kernel, so the same count fits."""
     tile = tiles.TILE_ROWS * head_dim * element_size
     ring = _RING_BYTES - (_CONSUMERS * tiles.TILE_ROWS * head_dim * 2 if element_size == 1 else 0)
     return max(2, min(group, ring // (_CONSUMERS * tile) - 2 * _KV_SLOTS))
@@ -311,8 +479,16 @@ def _triton_faster(call) -> str | None:
     1.29 -> 1.31x (a tie), 1.63 -> 1.36x, 1.71 -> 1.52x; 8:8 1.30 -> 1.20x at 64; D = 64 8:4 1.54 -> 1.48x at 64).
     The Triton forward keeps fp8 without GQA at 32- and 16-token blocks (1.46 and 1.59x against 1.37 and 1.48x,
     for the NaN exception above), at 8 query heads a kv head (1.28-1.61x against 2.47-3.16x) and at D = 64 and 32
-    but the case above (D = 64: 1.39-1.93x against 1.42-2.88x). Measured on an H200 only (no H100 was lent)."""
+    but the case above (D = 64: 1.39-1.93x against 1.42-2.88x). At 128-token blocks (16-bit inputs) this kernel
+    runs all but D = 32 under GQA (2026-11-28 22:06-22:10 UTC, Triton -> this kernel at 8:8 / 8:4 / 8:2 / 8:1:
+    D = 128 1.31 -> 1.10x, 1.63 -> 1.19x, 1.87 -> 1.44x, 2.06 -> 1.70x; D = 64 1.46 -> 1.21x, 2.02 -> 1.64x, 2.15 ->
+    1.91x, 2.33 -> 2.11x; D = 32 2.41 -> 2.05x without GQA, but 2.77 -> 3.05x and 2.93 -> 3.33x at 8:4 and 8:2).
+    Measured on an H200 only (no H100 was lent)."""
     group = call.num_heads // call.num_kv_heads
+    if call.block_size > tiles.TILE_ROWS:
+        if call.head_dim == 32 and group > 1:
+            return "the Triton forward measured faster at 128-token blocks with D = 32 under GQA"
+        return None
     if call.dtype == fp8.FP8_DTYPE:
         if call.head_dim == 128 and (2 <= group <= 4 or (group == 1 and call.block_size == 64)):
             return None
@@ -332,8 +508,8 @@ def kernel_reason(call) -> str | None:
         return "takes float16, bfloat16 and float8_e4m3fn only"
     if call.in_block or call.rotate:
         return "takes no rotary and no in-block option"
-    if call.block_size > tiles.TILE_ROWS:
-        return f"takes blocks of up to {tiles.TILE_ROWS} tokens"
+    if call.block_size > tiles.TILE_ROWS and call.dtype == fp8.FP8_DTYPE:
+        return f"takes fp8 in blocks of up to {tiles.TILE_ROWS} tokens"
     if call.head_dim not in _HEAD_DIMS:
         return f"takes D in {_HEAD_DIMS}"
     if call.num_heads // call.num_kv_heads > _MAX_GROUP:
@@ -351,17 +527,28 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     n, h, d = q.shape
     kv_heads = k.shape[1]
     out = tiles.new_output(q, dtype=None if fp8_scales is None else fp8_scales.out_dtype)
-    blocks = tiles.TILE_ROWS // block_size
+    blocks = max(tiles.TILE_ROWS // block_size, 1)
     num_items = triton.cdiv(table.num_slots, blocks) * kv_heads
     if num_items == 0:
         return out
     tile = tiles.TILE_ROWS
+    grid = (min(num_items, devices.multiprocessors(q.device)),)
+    q_slots = _q_slots(d, h // kv_heads, q.element_size())
+    if block_size > tile:  # both consumers on each block, a half of its query rows each
+        launch(
+            _block_attention_fwd_sm90_halves_kernel, grid, q_desc=_descriptor(q, tile),
+            k_desc=_descriptor(k, block_size), v_desc=_descriptor(v, block_size), o_ptr=out,
+            **table.kernel_args(offsets), num_tokens=n, num_items=num_items, qk_scale_log2=scale * LOG2E,
+            stride_on=out.stride(0), NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, KV_SLOTS=_KV_SLOTS, Q_SLOTS=q_slots,
+            BATCH=_BATCH, RUN=_heads_a_run(h // kv_heads), num_warps=4,
+        )
+        return out
     launch(
-        _block_attention_fwd_sm90_kernel, (min(num_items, devices.multiprocessors(q.device)),),
+        _block_attention_fwd_sm90_kernel, grid,
         q_desc=_descriptor(q, tile), k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile), o_ptr=out,
         **table.kernel_args(offsets), num_tokens=n, num_items=num_items, qk_scale_log2=scale * LOG2E,
         stride_on=out.stride(0), **(fp8.no_scales_args(out) if fp8_scales is None else fp8_scales.kernel_args()),
         NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=_KV_SLOTS,
-        Q_SLOTS=_q_slots(d, h // kv_heads, q.element_size()), BATCH=_BATCH, FP8=fp8_scales is not None, num_warps=4,
+        Q_SLOTS=q_slots, BATCH=_BATCH, FP8=fp8_scales is not None, RUN=_heads_a_run(h // kv_heads), num_warps=4,
     )
     return out
