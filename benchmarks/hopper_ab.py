@@ -95,7 +95,7 @@ def main() -> None:
     print(f"{harness.environment()['device']}; copy bandwidth {tbps:.2f} TB/s", flush=True)
     for (block_size, head_dim, kv_heads, rotary), pass_name, variants in CASES:
         if (args.pass_name not in (None, pass_name) or args.head_dim not in (None, head_dim)
-                or (args.dtype == sweep.FP8 and "ws" not in variants)):
+                or (args.dtype == sweep.FP8 and ("ws" not in variants or block_size > tiles.TILE_ROWS))):
             continue
         config = sweep.Config(block_size, head_dim, kv_heads, args.dtype, rotary)
         cells = []

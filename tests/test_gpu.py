@@ -321,8 +321,9 @@ def test_fused_rotary_backward_is_bitwise_deterministic(heads):
 def test_dispatcher_on_this_gpu():
     """On this GPU the Hopper kernels take the backward of every block size at D = 128 (16 and 32 tokens as 64-row
     tiles, but for the rotary without GQA), with or without GQA, 16-bit tensors that TMA reads as [N, H * D] rows,
-    with or without a rotary, and the plain forward under GQA up to 64-token blocks (on other GPUs the Triton kernels
-    do); every other forward and backward runs the Triton kernels."""
+    with or without a rotary, the plain forward under GQA at every block size and the plain forward of 128-token
+    blocks without GQA (on other GPUs the Triton kernels do); every other forward and backward runs the Triton
+    kernels."""
     q, k, v, do, _ = random_inputs([100], 3, 3, 128, torch.bfloat16, "cuda")
     narrow = random_inputs([100], 3, 3, 16, torch.bfloat16, "cuda")[:4]
 
@@ -336,10 +337,10 @@ def test_dispatcher_on_this_gpu():
         assert chosen("bwd", q, k, v, do, (q, k, v), block_size, rotate) == (production if tiles else "triton")
         gqa = (q, k[:, :1], v[:, :1], do, (q, k[:, :1], v[:, :1]), block_size, rotate)
         assert chosen("bwd", *gqa) == production
-        assert chosen("fwd", q, k, v, do, (), block_size, rotate) == "triton"
-        # 3 query heads a kv head, plain, up to 64-token blocks: the warp-specialised forward
-        plain_tiles = not rotate and block_size <= 64
-        assert chosen("fwd", *gqa[:4], (), block_size, rotate) == (production if plain_tiles else "triton")
+        halves = not rotate and block_size == 128  # the warp-specialised forward in halves
+        assert chosen("fwd", q, k, v, do, (), block_size, rotate) == (production if halves else "triton")
+        # 3 query heads a kv head, plain: the warp-specialised forward (in halves at 128-token blocks)
+        assert chosen("fwd", *gqa[:4], (), block_size, rotate) == (production if not rotate else "triton")
     padded_heads = torch.randn(100, 3, 136, dtype=torch.bfloat16, device="cuda")[..., :128]
     odd_rows = torch.randn(100, 385, dtype=torch.bfloat16, device="cuda")[:, :384].view(100, 3, 128)
     for other in [
@@ -425,6 +426,20 @@ def test_sm90_forward_accuracy_contract(dtype, heads, head_dim, block_size, pois
     padding slots; groups of 1 to 8 query heads, odd and even (at D = 128 fewer q slots than the group)."""
     q, k, v, do, offsets = random_inputs(random_lengths(6, 400, block_size), *heads, head_dim, dtype, "cuda")
     assert backends.sm90_fwd_ops.kernel_reason(AttentionCall.of("fwd", q, k, block_size, 0, tensors=(q, k, v))) is None
+    out = forward_of("sm90-gluon", q, k, v, offsets, block_size)
+    assert_within_2x_pytorch([out], q, k, v, do, offsets, block_size, names=("out",))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+@pytest.mark.parametrize("heads", [(3, 3), (8, 2), (5, 1), (6, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
+def test_sm90_forward_several_items_a_program(heads, block_size, monkeypatch, poisoned_outputs):
+    """Two programs (the grid is one a multiprocessor, here said to be two), so that each runs dozens of items in
+    turn: the k/v and q rings and their barriers carried from item to item, past a batch of bounds (32 items), and
+    at 128-token blocks the barrier on which both consumers fix a partial block's values, phase after phase; groups
+    of 5 and 6 query heads, unrolled one and two at a time."""
+    monkeypatch.setattr(devices, "multiprocessors", lambda device: 2)
+    q, k, v, do, offsets = random_inputs(random_lengths(24, 700, block_size), *heads, 64, torch.bfloat16, "cuda")
     out = forward_of("sm90-gluon", q, k, v, offsets, block_size)
     assert_within_2x_pytorch([out], q, k, v, do, offsets, block_size, names=("out",))
 

@@ -405,6 +405,7 @@ def _block_attention_fwd_sm90_halves_kernel(
 ):
     TILE: gl.constexpr = q_desc.block_type.shape[0]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    gl.static_assert(KEYS == _CONSUMERS * TILE)  # a block's query rows, a half a consumer
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     kv_smem = gl.allocate_shared_memory(dtype, [2 * KV_SLOTS, KEYS, D], k_desc.layout)
@@ -481,7 +482,7 @@ def _triton_faster(call) -> str | None:
     for the NaN exception above), at 8 query heads a kv head (1.28-1.61x against 2.47-3.16x) and at D = 64 and 32
     but the case above (D = 64: 1.39-1.93x against 1.42-2.88x). At 128-token blocks (16-bit inputs) this kernel
     runs all but D = 32 under GQA (2026-11-28 22:06-22:10 UTC, Triton -> this kernel at 8:8 / 8:4 / 8:2 / 8:1:
-    D = 128 1.31 -> 1.10x, 1.63 -> 1.19x, 1.87 -> 1.44x, 2.06 -> 1.70x; D = 64 1.46 -> 1.21x, 2.02 -> 1.64x, 2.15 ->
+    D = 128 1.31 -> 1.10x, 1.63 -> 1.19x, 1.86 -> 1.44x, 2.06 -> 1.70x; D = 64 1.46 -> 1.21x, 2.02 -> 1.64x, 2.15 ->
     1.91x, 2.33 -> 2.11x; D = 32 2.41 -> 2.05x without GQA, but 2.77 -> 3.05x and 2.93 -> 3.33x at 8:4 and 8:2).
     Measured on an H200 only (no H100 was lent)."""
     group = call.num_heads // call.num_kv_heads
