@@ -34,17 +34,16 @@ past the tile's end zeroed there, and ``P`` is fp16. The descales are read on th
 saturated to e4m3's range.
 
 What did not pay (H200, the sweep's lengths, bf16, time over the floor; docs/benchmarks.md, 2026-11-28): three
-consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.60x against 1.11x with two; for
-fp8, faster only without GQA at D = 64, 1.44 -> 1.30x, and at 32-token blocks, where the tiles' NaN rule keeps the
-Triton forward; 2026-11-28 21:54 UTC); the
-rotary turned in shared memory by the consumers (1.43-4.42x over two versions, against the Triton forward's
-1.19-1.46x: the angles' registers spill); fewer q slots than the group at D = 64 (8:2 1.41x against 1.16x with
-four); checking the values of tiles of several blocks for NaN or inf, to take the blocks apart where one is found
-(D = 128 8:4: 1.10 -> 1.55x at 32-token blocks, 1.12 -> 1.82x at 16). For fp8, whose consumers bound it (Nsight
-Compute: 57% of the DRAM throughput at 8:8, where bf16 reaches 86%): more k/v slots a consumer (3 or 4: no gain,
-up to 1.28 -> 1.49x at 8:2), the score scale inside the exponent (8:2 1.28 -> 1.43x), and a fourth partition of two
-warps (40 registers a thread) widening the values for the consumers (D = 128 at 64-token blocks: 1.20-1.31x ->
-1.42-1.58x).
+consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.60x against 1.11x with two; for fp8,
+faster only without GQA at D = 64, 1.44 -> 1.30x, and at 32-token blocks, where the tiles' NaN rule keeps the Triton
+forward; 2026-11-28 21:54 UTC); the rotary turned in shared memory by the consumers (1.43-4.42x over two versions,
+against the Triton forward's 1.19-1.46x: the angles' registers spill); fewer q slots than the group at D = 64 (8:2
+1.41x against 1.16x with four); checking the values of tiles of several blocks for NaN or inf, to take the blocks
+apart where one is found (D = 128 8:4: 1.10 -> 1.55x at 32-token blocks, 1.12 -> 1.82x at 16). For fp8, whose
+consumers bound it (Nsight Compute: 57% of the DRAM throughput at 8:8, where bf16 reaches 86%): more k/v slots a
+consumer (3 or 4: no gain, up to 1.28 -> 1.49x at 8:2), the score scale inside the exponent (8:2 1.28 -> 1.43x), and
+a fourth partition of two warps (40 registers a thread) widening the values for the consumers (D = 128 at 64-token
+blocks: 1.20-1.31x -> 1.42-1.58x).
 """
 
 from __future__ import annotations
