@@ -24,8 +24,9 @@ def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = check
     per batch: each call then skips building the block table (the offsets' checks and a GPU launch), as
     FlexAttention's ``BlockMask`` is built once and reused. (An eager call on up to 64 sequences and 2^22 query
     elements needs none where its kernels find their blocks in the offsets: the Triton forward, the Triton
-    backward's one-block kernel and the Hopper backward without GQA, one block a program.) The values of ``offsets`` are checked here, as a call checks
-    them (a ``ValueError`` on the CPU, a device-side assertion on a GPU: no host synchronisation).
+    backward's one-block kernel and the Hopper backward without GQA, one block a program.) The values of
+    ``offsets`` are checked here, as a call checks them (a ``ValueError`` on the CPU, a device-side assertion on a
+    GPU: no host synchronisation).
 
     With ``timestamps`` the layout also holds the batch's time buckets: every pair of tokens of a block, bucketed
     once (one kernel, ``N * block_size`` bytes) where the kernels run, instead of in every call's forward (at the
