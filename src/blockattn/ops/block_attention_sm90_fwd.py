@@ -102,6 +102,26 @@ def _pick(vector, i):
 
 
 @gluon.jit
+def _land_kv(k_desc, v_desc, kv_smem, kv_ready, kv_empty, slot, use, row, col):
+    """The producer's k and v tiles at ``[row, col]`` into k/v slot ``slot`` (its ``use``-th load), once its
+    consumers released it. A fresh barrier counts as completed in the phase before its first: the first wait returns
+    at once."""
+    mbarrier.wait(kv_empty.index(slot), (use & 1) ^ 1)
+    landed = kv_ready.index(slot)
+    mbarrier.expect(landed, 2 * k_desc.block_type.nbytes)
+    tma_load(k_desc, [row, col], landed, kv_smem.index(2 * slot))
+    tma_load(v_desc, [row, col], landed, kv_smem.index(2 * slot + 1))
+
+
+@gluon.jit
+def _land_q(q_desc, q_smem, q_ready, q_empty, q_slot, use, row, col):
+    """The producer's q tile at ``[row, col]`` into q slot ``q_slot`` (its ``use``-th load), once released."""
+    mbarrier.wait(q_empty.index(q_slot), (use & 1) ^ 1)
+    mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
+    tma_load(q_desc, [row, col], q_ready.index(q_slot), q_smem.index(q_slot))
+
+
+@gluon.jit
 def _producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr):
     """One warp: for each item, once its consumer released the slots, k and v into the consumer's next k/v slot
     and each query head's q into its next q slot."""
@@ -124,20 +144,12 @@ def _producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl
                 row = _pick(starts, i).to(gl.int32)
                 kv_head = (gl.program_id(0) + j * gl.num_programs(0)) % NUM_KV_HEADS
                 n = gl.where(c == 0, loaded0, loaded1)
-                slot = c * KV_SLOTS + n % KV_SLOTS
-                # A fresh barrier counts as completed in the phase before its first: the first wait returns at once.
-                mbarrier.wait(kv_empty.index(slot), ((n // KV_SLOTS) & 1) ^ 1)
-                landed = kv_ready.index(slot)
-                mbarrier.expect(landed, 2 * k_desc.block_type.nbytes)
-                tma_load(k_desc, [row, kv_head * D], landed, kv_smem.index(2 * slot))
-                tma_load(v_desc, [row, kv_head * D], landed, kv_smem.index(2 * slot + 1))
+                _land_kv(k_desc, v_desc, kv_smem, kv_ready, kv_empty, c * KV_SLOTS + n % KV_SLOTS, n // KV_SLOTS, row,
+                         kv_head * D)
                 for g in range(GROUP):
                     qn = n * GROUP + g
-                    q_slot = c * Q_SLOTS + qn % Q_SLOTS
-                    mbarrier.wait(q_empty.index(q_slot), ((qn // Q_SLOTS) & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
-                    tma_load(q_desc, [row, (kv_head * GROUP + g) * D], q_ready.index(q_slot),
-                             q_smem.index(q_slot))
+                    _land_q(q_desc, q_smem, q_ready, q_empty, c * Q_SLOTS + qn % Q_SLOTS, qn // Q_SLOTS, row,
+                            (kv_head * GROUP + g) * D)
                 loaded0 += (c == 0).to(gl.int32)
                 loaded1 += (c == 1).to(gl.int32)
 
@@ -324,21 +336,13 @@ def _halves_producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BAT
             if _pick(lengths, i) > 0:
                 row = _pick(starts, i).to(gl.int32)
                 kv_head = (gl.program_id(0) + (first + i) * gl.num_programs(0)) % NUM_KV_HEADS
-                slot = loaded % KV_SLOTS
-                # A fresh barrier counts as completed in the phase before its first: the first wait returns at once.
-                mbarrier.wait(kv_empty.index(slot), ((loaded // KV_SLOTS) & 1) ^ 1)
-                landed = kv_ready.index(slot)
-                mbarrier.expect(landed, 2 * k_desc.block_type.nbytes)
-                tma_load(k_desc, [row, kv_head * D], landed, kv_smem.index(2 * slot))
-                tma_load(v_desc, [row, kv_head * D], landed, kv_smem.index(2 * slot + 1))
+                _land_kv(k_desc, v_desc, kv_smem, kv_ready, kv_empty, loaded % KV_SLOTS, loaded // KV_SLOTS, row,
+                         kv_head * D)
                 for g in range(GROUP):
                     qn = loaded * GROUP + g
                     for half in gl.static_range(_CONSUMERS):
-                        q_slot = half * Q_SLOTS + qn % Q_SLOTS
-                        mbarrier.wait(q_empty.index(q_slot), ((qn // Q_SLOTS) & 1) ^ 1)
-                        mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
-                        tma_load(q_desc, [row + half * TILE, (kv_head * GROUP + g) * D], q_ready.index(q_slot),
-                                 q_smem.index(q_slot))
+                        _land_q(q_desc, q_smem, q_ready, q_empty, half * Q_SLOTS + qn % Q_SLOTS, qn // Q_SLOTS,
+                                row + half * TILE, (kv_head * GROUP + g) * D)
                 loaded += 1
 
 
