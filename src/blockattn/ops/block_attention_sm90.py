@@ -722,7 +722,9 @@ def _backward_register_cap(options: InBlock, rotate: int, gqa: bool, tile: int, 
       programs an SM; capped, three, and 88 bytes spilled, ptxas of triton 3.6 and 3.9). H200, 8 heads,
       the sweep's lengths: fp32 angles 1.44x the floor -> 1.29x, bf16 angles 1.40x -> 1.36x (2026-11-28; not
       measured on an H100, where uncapped it ran 1.06-1.09x). The plain kernel (158 registers, three programs
-      already) lost capped, 1.02x -> 1.13x;
+      already) lost capped, 1.02x -> 1.13x. Turning operands and gradients in column halves instead, each half's
+      angles loaded where it turns (129 registers uncapped, no spill: three programs an SM), lost too: fp32 angles
+      1.29x -> 1.46-1.47x, the angles loaded four times a head instead of once (H200, 2026-11-29);
     - 128 for GQA at D = 32 on tiles of 16- or 32-token blocks (194 registers uncapped with a rotary; 64 bytes spill
       capped, four programs an SM), 8:2: with a rotary H100 1.81-1.83x -> 1.46-1.49x, H200 2.55-2.58x ->
       2.01-2.07x; plain H100 1.34-1.37x -> 1.23-1.24x, H200 1.87-1.88x -> 1.68-1.69x at 16-token blocks

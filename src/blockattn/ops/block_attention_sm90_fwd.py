@@ -43,7 +43,12 @@ apart where one is found (D = 128 8:4: 1.10 -> 1.55x at 32-token blocks, 1.12 ->
 consumers bound it (Nsight Compute: 57% of the DRAM throughput at 8:8, where bf16 reaches 86%): more k/v slots a
 consumer (3 or 4: no gain, up to 1.28 -> 1.49x at 8:2), the score scale inside the exponent (8:2 1.28 -> 1.43x), and
 a fourth partition of two warps (40 registers a thread) widening the values for the consumers (D = 128 at 64-token
-blocks: 1.20-1.31x -> 1.42-1.58x).
+blocks: 1.20-1.31x -> 1.42-1.58x). Both kernels (2026-11-29): the output staged in shared memory and stored by TMA
+where a consumer's rows are whole (the consumer moves on while it drains), which lost under GQA (128-token blocks
+at D = 128 8:2 1.46 -> 1.95x, 64-token blocks at D = 64 8:2 1.21 -> 1.31x, fp8 8:2 1.29 -> 1.48x); and in the
+halves kernel the two consumers' products issued in turns (ping-pong, one's softmax while the other's products
+run): with the next head's ``Q K^T`` after the softmax, 8:1 1.64 -> 1.85x; with only ``P V`` in turns, 8:1 1.64
+-> 1.61x but 8:2 1.40 -> 1.43x and 8:4 1.15 -> 1.17x.
 """
 
 from __future__ import annotations
@@ -77,6 +82,12 @@ _KV_SLOTS = 2  # k/v slots a consumer
 _RING_BYTES = 192 * 1024  # the rings' shared memory
 _CONSUMER_REGS = gl.constexpr(232)
 _PRODUCER_REGS = gl.constexpr(40)
+# The halves kernel's consumers hold [64, 128] score tiles: 240 registers (the producer 24, as in the flash kernel)
+# spill less under GQA. H200, 2026-11-29, 128-token blocks, time over the floor, 232/40 -> 240/24: D = 128 8:2
+# 1.45 -> 1.40x, 8:1 1.69 -> 1.64x, a tie without GQA and at D = 64 within the runs' spread. In the 64-row kernel
+# 240/24 lost (D = 128 8:2 1.14 -> 1.26x, fp8 1.30 -> 1.42x).
+_HALVES_CONSUMER_REGS = gl.constexpr(240)
+_HALVES_PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
@@ -434,7 +445,7 @@ def _block_attention_fwd_sm90_halves_kernel(
     gl.warp_specialize([(_halves_consumer, (work, NUM_KV_HEADS, GROUP, BATCH, RUN, 0)),
                         (_halves_consumer, (work, NUM_KV_HEADS, GROUP, BATCH, RUN, 1)),
                         (_halves_producer, (loads, NUM_KV_HEADS, GROUP, BATCH))],
-                       [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+                       [4, 1], [_HALVES_CONSUMER_REGS, _HALVES_PRODUCER_REGS])
 
 
 def _heads_a_run(group: int) -> int:
