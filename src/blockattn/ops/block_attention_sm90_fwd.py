@@ -83,7 +83,8 @@ _RING_BYTES = 192 * 1024  # the rings' shared memory
 _CONSUMER_REGS = gl.constexpr(232)
 _PRODUCER_REGS = gl.constexpr(40)
 # The halves kernel's consumers hold [64, 128] score tiles: 240 registers (the producer 24, as in the flash kernel)
-# spill less under GQA. H200, 2026-11-29, 128-token blocks, time over the floor, 232/40 -> 240/24: D = 128 8:2
+# spill less under GQA (ptxas of triton 3.9 at D = 128, spill stores at 8:4 / 8:2 / 8:1: 60 / 92 / 45 -> 26 / 76 /
+# 29). H200, 2026-11-29, 128-token blocks, time over the floor, 232/40 -> 240/24: D = 128 8:2
 # 1.45 -> 1.40x, 8:1 1.69 -> 1.64x, a tie without GQA and at D = 64 within the runs' spread. In the 64-row kernel
 # 240/24 lost (D = 128 8:2 1.14 -> 1.26x, fp8 1.30 -> 1.42x).
 _HALVES_CONSUMER_REGS = gl.constexpr(240)
