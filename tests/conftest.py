@@ -17,9 +17,9 @@ import math
 
 import pytest
 
-from blockattn import backends, checks, reference
+from blockattn import backends, checks, devices, reference
 from blockattn.block_table import build_block_table
-from blockattn.ops import plans, tiles
+from blockattn.ops import flash_attention, plans, tiles
 from blockattn.ops.in_block import PLAIN, dropout_keep
 from blockattn.ops.tiles import ROTATE_BITS
 from blockattn.reference import block_attention_reference, rotary_reference
@@ -40,6 +40,18 @@ def fresh_plans():
     signature that passed the checks (``checks.once_per_signature``) there skips them here."""
     plans.forget()
     checks.forget()
+
+
+@pytest.fixture
+def public_calls_on_kernels(monkeypatch):
+    """The device where the public functions run the Triton kernels: the GPU, or without one the CPU, its tensors
+    then taken by the kernels in Triton's interpreter (an Ampere GPU of 4 SMs faked; fp16 and fp32 only there)."""
+    if not HAS_GPU:
+        monkeypatch.setattr(devices, "kernels_reason", lambda device: None)
+        monkeypatch.setattr(devices, "capability", lambda device: (8, 0))
+        monkeypatch.setattr(devices, "multiprocessors", lambda device: 4)
+        monkeypatch.setattr(flash_attention, "shared_memory_limit", lambda device: 100 * 1024)
+    return KERNEL_DEVICE
 
 
 @pytest.fixture(autouse=True)

@@ -88,6 +88,32 @@ def test_kernels_odd_lengths_gqa(block_size, dtype, poisoned_outputs):
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, block_size), q, k, v, do, offsets, block_size)
 
 
+def strided_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view of stride 2 (a column of a table, say)."""
+    return torch.stack([t, torch.full_like(t, 7)], 1).flatten()[::2]
+
+
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
+def test_strided_offsets(offsets_dtype, public_calls_on_kernels, poisoned_outputs):
+    """The kernels read offsets as consecutive ints: a strided view is taken as its values, in a call and in a
+    layout, forward and backward, as its contiguous copy is."""
+    dtype = torch.float32 if not HAS_GPU else torch.bfloat16
+    q, k, v, do, offsets = random_inputs([5, 0, 17, 16, 1, 33], 4, 2, 32, dtype, public_calls_on_kernels,
+                                         offsets_dtype)
+    strided = strided_view(offsets)
+    assert not strided.is_contiguous() and torch.equal(strided, offsets)
+
+    def run(boundaries):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = blockattn.block_attention(*leaves, boundaries, block_size=16)
+        return [out, *torch.autograd.grad(out, leaves, do)]
+
+    expected = run(offsets)
+    for boundaries in (strided, blockattn.block_layout(strided, q.shape[0], 16)):
+        for got, want in zip(run(boundaries), expected):
+            assert torch.equal(got, want)
+
+
 def record_launches(monkeypatch) -> list[tuple]:
     """The Triton launchers' launches from now on, as ``(kernel, keyword arguments)``; each still runs."""
     launched = []

@@ -15,6 +15,7 @@ import blockattn
 from blockattn import attention, call_cache, checks, custom_ops, flash
 from blockattn.ops import plans
 from blockattn.reference import random_angles
+from blockattn.signatures import Signature
 
 
 def _learning(replay_of):
@@ -66,6 +67,17 @@ def test_a_call_whose_op_takes_a_tensor_it_was_not_given_always_runs_the_slow_wa
     assert calls["key"] is call_cache._SLOW and not asked
     cache.learn("key", (q, 0.5), (q, None))  # learned once: not asked again
     assert calls["key"] is call_cache._SLOW and not asked
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_tensor_without_strides_or_storage_has_no_signature():
+    """A sparse tensor (on a GPU the cache's signature would read its strides and address) is a call the cache
+    leaves to the public function, whose checks refuse it by name."""
+    signature = Signature(call_cache._TENSOR_KEY, lambda: None)
+    for sparse in (torch.zeros(2, 2).to_sparse(), torch.zeros(2, 2).to_sparse_csr()):
+        with pytest.raises(TypeError, match="no signature"):
+            signature((sparse,))
+    assert signature((torch.zeros(2, 2),))[1]
 
 
 def test_a_signature_is_learned_once_its_plan_is_recorded():

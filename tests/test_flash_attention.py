@@ -392,6 +392,16 @@ def test_dense_equals_varlen(causal, bottom_right):
     torch.testing.assert_close(lse.transpose(0, 1).flatten(1), lse_v, atol=1e-4, rtol=0)
 
 
+def test_strided_cu_seqlens(public_calls_on_kernels):
+    """The kernels read cu_seqlens as consecutive ints: strided views are taken as their values."""
+    q, k, v, cu_q, cu_k = packed_inputs([5, 0, 17, 20, 1], [9, 3, 16, 20, 0], 4, 2, 32, torch.float16,
+                                        public_calls_on_kernels)
+    strided_q, strided_k = (torch.stack([c, torch.full_like(c, 3)], 1).flatten()[::2] for c in (cu_q, cu_k))
+    assert not strided_q.is_contiguous() and torch.equal(strided_q, cu_q)
+    assert torch.equal(blockattn.flash_attention_varlen(q, k, v, strided_q, strided_k),
+                       blockattn.flash_attention_varlen(q, k, v, cu_q, cu_k))
+
+
 def test_fp8_on_the_torch_path():
     """fp8 through dequantisation on the CPU: exactly the result of the dequantised inputs (fp32 compute)."""
     q, k, v, cu_q, cu_k = packed_inputs([7, 0, 20], [9, 3, 20], 4, 2, 32, torch.float32, "cpu")

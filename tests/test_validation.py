@@ -1,10 +1,12 @@
 """Bad input is refused with a TypeError/ValueError that names the argument, before any kernel runs."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_offsets
 
 import blockattn
+from blockattn.nn import BlockSelfAttention
 
 
 def good():
@@ -39,15 +41,23 @@ CASES = [
     ("scale", lambda *a: a, {"scale": -1.0}, ValueError, "scale must be a finite positive"),
     ("scale inf", lambda *a: a, {"scale": float("inf")}, ValueError, "scale must be a finite positive"),
     ("scale nan", lambda *a: a, {"scale": float("nan")}, ValueError, "scale must be a finite positive"),
+    ("scale past float", lambda *a: a, {"scale": 2**1100}, ValueError, "scale must be a finite positive"),
+    ("sparse q", lambda q, k, v, o: (q.to_sparse(), k, v, o), {}, TypeError,
+     "q must be a dense \\(strided\\) tensor, got layout=torch.sparse_coo"),
+    ("sparse offsets", lambda q, k, v, o: (q, k, v, o.to_sparse()), {}, TypeError, "offsets must be a dense"),
     ("q not tensor", lambda q, k, v, o: (q.tolist(), k, v, o), {}, TypeError, "q must be a torch.Tensor"),
     # The in-block options (q has 4 heads, 10 tokens; 64-token blocks by default).
     ("causal int", lambda *a: a, {"causal": 1}, TypeError, "causal must be a bool"),
+    ("causal numpy", lambda *a: a, {"causal": np.bool_(True)}, TypeError,
+     "causal must be a bool \\(True or False\\), got np.True_ of type numpy.bool"),
     ("pos_bias width", lambda *a: a, {"pos_bias": torch.zeros(4, 63)}, ValueError,
      "pos_bias must be \\[num_heads, 2 \\* block_size - 1 relative positions\\] = \\[4, 127\\]"),
     ("pos_bias heads", lambda *a: a, {"pos_bias": torch.zeros(2, 127)}, ValueError, "pos_bias must be"),
     ("pos_bias dtype", lambda *a: a, {"pos_bias": torch.zeros(4, 127, dtype=torch.float16)}, TypeError,
      "pos_bias must be float32"),
     ("pos_bias list", lambda *a: a, {"pos_bias": [0.0] * 127}, TypeError, "pos_bias must be a torch.Tensor"),
+    ("pos_bias sparse", lambda *a: a, {"pos_bias": torch.zeros(4, 127).to_sparse()}, TypeError,
+     "pos_bias must be a dense \\(strided\\) tensor"),
     ("time_bias alone", lambda *a: a, {"time_bias": torch.zeros(4, 8)}, ValueError,
      "time_bias was given without timestamps"),
     ("timestamps alone", lambda *a: a, {"timestamps": torch.arange(10)}, ValueError,
@@ -105,6 +115,29 @@ def test_nested_rejects_offsets_and_mixed_structure():
         blockattn.flash_attention(*dense)
 
 
+def test_nested_with_holes_is_refused():
+    """A jagged nested tensor with holes (lengths(), as torch.nested.narrow makes) has values that are not its
+    sequences' tokens."""
+    padded = torch.randn(2, 8, 4, 32)
+    holes = torch.nested.narrow(padded, 1, torch.tensor([0, 0]), torch.tensor([3, 8]), layout=torch.jagged)
+    with pytest.raises(ValueError, match="q is a jagged nested tensor with holes .* pass q.contiguous\\(\\)"):
+        blockattn.block_attention(holes, holes, holes)
+    angles = torch.nested.narrow(torch.randn(2, 6, 32), 1, torch.tensor([0, 0]), torch.tensor([4, 6]),
+                                 layout=torch.jagged)  # offsets [0, 6, 12], lengths [4, 6]
+    nq = torch.nested.nested_tensor_from_jagged(torch.randn(12, 4, 32), angles.offsets())
+    with pytest.raises(ValueError, match="sinu_pos is a jagged nested tensor with holes"):
+        blockattn.block_attention(nq, nq, nq, sinu_pos=angles)
+    layer = BlockSelfAttention(32, 2)
+    x = torch.nested.narrow(torch.randn(2, 8, 32), 1, torch.tensor([0, 0]), torch.tensor([3, 8]),
+                            layout=torch.jagged)
+    with pytest.raises(ValueError, match="x is a jagged nested tensor with holes"):
+        layer(x)
+    contiguous = holes.contiguous()
+    assert contiguous.lengths() is None
+    torch.testing.assert_close(blockattn.block_attention(contiguous, contiguous, contiguous).values(),
+                               blockattn.block_attention(*(contiguous.values(),) * 3, contiguous.offsets()))
+
+
 ANGLES = torch.randn(10, 32)
 ROTARY_CASES = [
     ("sinu_pos shape", {"sinu_pos": ANGLES[:, :16]}, ValueError, "sinu_pos must be \\[N, head_dim\\] = \\[10, 32\\]"),
@@ -118,6 +151,8 @@ ROTARY_CASES = [
     ("rotate twice", {"sinu_pos": ANGLES, "rotate": ["q", "q"]}, ValueError,
      "rotate names an operand more than once: \\('q', 'q'\\)"),
     ("rotate name, no angles", {"rotate": ("x",)}, ValueError, "unknown \\['x'\\]"),
+    ("rotate nested list", {"sinu_pos": ANGLES, "rotate": [["q"]]}, ValueError, "unknown \\[\\['q'\\]\\]"),
+    ("sinu_pos sparse", {"sinu_pos": ANGLES.to_sparse()}, TypeError, "sinu_pos must be a dense"),
 ]
 
 
@@ -135,6 +170,7 @@ def test_rejects_bad_rotary_arguments(kwargs, error, message):
 
 
 APPLY_ROTARY_CASES = [
+    ("no angles", torch.randn(10, 2, 32), None, TypeError, "sinu_pos must be a torch.Tensor, got NoneType"),
     ("x 2-D", torch.randn(10, 32), ANGLES, ValueError, "x must be 3-D"),
     ("x int", torch.ones(10, 2, 32, dtype=torch.long), ANGLES, TypeError, "x must be float16"),
     ("odd head dim", torch.randn(10, 2, 7), torch.randn(10, 7), ValueError, "head_dim must be even"),

@@ -47,6 +47,7 @@ def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = check
     included) and CUDA-graph capture like the calls themselves.
     """
     checks.layout(offsets, num_tokens, block_size)
+    offsets = checks.contiguous_offsets(offsets)
     width = checks.layout_times(timestamps, num_time_buckets, time_bucket_width, offsets, num_tokens)
     table = BlockTable(*custom_ops.block_table(offsets, num_tokens, block_size))
     if timestamps is None:

@@ -13,7 +13,7 @@ the checks cost more host time than the kernels of a small batch.
 from __future__ import annotations
 
 import functools
-import math
+import sys
 from collections import OrderedDict
 
 import torch
@@ -44,10 +44,11 @@ CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 FLASH_VARIANTS = ("auto", "pipelined", "warp_specialized")
 
 
-# What the checks of a call (below) read: the tensors' types, shapes, dtypes, devices and requires_grad, the other
-# arguments' values, and whether autograd records (the float8 forward's inference-only check). Not strides, nor
-# which arguments are one tensor.
-_SIGNATURE = Signature("({t}.shape, {t}.dtype, {t}.device, {t}.requires_grad)", torch.is_grad_enabled, aliases=False)
+# What the checks of a call (below) read: the tensors' types, shapes, dtypes, devices, layouts (dense or sparse) and
+# requires_grad, the other arguments' values, and whether autograd records (the float8 forward's inference-only
+# check). Not strides, nor which arguments are one tensor.
+_SIGNATURE = Signature("({t}.shape, {t}.dtype, {t}.device, {t}.layout, {t}.requires_grad)", torch.is_grad_enabled,
+                       aliases=False)
 MAX_PASSED = 256
 
 
@@ -112,8 +113,18 @@ def _dtype_names(dtypes) -> str:
 
 
 def tensor(name: str, t, optional: bool = False) -> None:
+    """``t`` a tensor, not a sparse one (nested tensors have checks of their own); ``optional``: the argument may
+    also be None (its caller took that case)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(t).__name__}")
+    if t.layout not in (torch.strided, torch.jagged):
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout={t.layout}: pass {name}.to_dense()")
+
+
+def contiguous_offsets(value):
+    """``offsets`` (or ``cu_seqlens``) as the kernels read them: one int after another. A strided view (a column of
+    a table, say) is copied; anything else is returned as it is, for its check to refuse."""
+    return value.contiguous() if isinstance(value, torch.Tensor) and value.layout == torch.strided else value
 
 
 def float_tensor(name: str, t, ndim: int, layout: str, also: tuple[torch.dtype, ...] = ()) -> None:
@@ -148,8 +159,14 @@ def block_size(value) -> None:
 def finite_positive(name: str, value, optional: bool = False) -> None:
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (_finite(value) and value > 0):
         raise ValueError(f"{name} must be a finite positive float{' or None' if optional else ''}, got {value!r}")
+
+
+def _finite(value: float) -> bool:
+    """Whether an int or float is finite and within float's range (``math.isfinite`` raises OverflowError for a
+    larger int)."""
+    return abs(value) <= sys.float_info.max
 
 
 def offsets(value, like: torch.Tensor | None = None, like_name: str = "", name: str = "offsets") -> None:
@@ -164,6 +181,14 @@ def offsets(value, like: torch.Tensor | None = None, like_name: str = "", name: 
         raise ValueError(f"{name} must be on the device of {like_name} ({like.device}), got {value.device}")
 
 
+def some_sequence(offsets_: torch.Tensor, x: torch.Tensor, x_name: str) -> None:
+    """At least one sequence in ``offsets`` where the inputs ``x [N, ...]`` have tokens: decidable from shapes
+    alone, and the kernels need a sequence to look blocks up in."""
+    if offsets_.numel() == 1 and x.shape[0] != 0:
+        raise ValueError(f"offsets describes no sequence (B = 0) but {x_name} has N = {x.shape[0]} tokens; expected "
+                         "offsets[-1] == N")
+
+
 def attention(q, k, v, offsets_, block, scale) -> None:
     """``q [N, Hq, D]``, ``k, v [N, Hkv, D]``, ``offsets [B + 1]`` and the options of block attention."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -175,9 +200,7 @@ def attention(q, k, v, offsets_, block, scale) -> None:
         raise ValueError(f"q, k, v and offsets must be on one device, got q {q.device}, k {k.device}, v {v.device}, "
                          f"offsets {offsets_.device}")
     n, hq, d = q.shape
-    if offsets_.numel() == 1 and n != 0:
-        # Decidable from shapes alone, and the kernels need at least one sequence to look blocks up in.
-        raise ValueError(f"offsets describes no sequence (B = 0) but q has N = {n} tokens; expected offsets[-1] == N")
+    some_sequence(offsets_, q, "q")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {_describe(k)} and v {_describe(v)}")
     if k.shape[0] != n:
@@ -234,7 +257,7 @@ def _inference_only(named: dict) -> None:
 def sinu_pos(angles, x: torch.Tensor, x_name: str) -> None:
     """``angles`` (``sinu_pos``) must be ``[N, D]`` of ``x = [N, H, D]``, floating, on ``x``'s device, and need no
     gradient."""
-    tensor("sinu_pos", angles, optional=True)
+    tensor("sinu_pos", angles)
     n, _, d = x.shape
     if angles.shape != (n, d):
         raise ValueError(f"sinu_pos must be [N, head_dim] = [{n}, {d}] ([sin | cos] per token), got "
@@ -252,7 +275,7 @@ def rotate_mask(rotate) -> int:
     if isinstance(rotate, str) or not isinstance(rotate, (tuple, list, set, frozenset)):
         raise TypeError(f"rotate must be a tuple (or list, set) of names from {tuple(ROTATE_BITS)}, e.g. ('q', 'k'), "
                         f"got {rotate!r}")
-    unknown = [name for name in rotate if name not in ROTATE_BITS]
+    unknown = [name for name in rotate if not isinstance(name, str) or name not in ROTATE_BITS]
     if unknown:
         raise ValueError(f"rotate names the operands to rotate, from {tuple(ROTATE_BITS)}; got unknown {unknown}")
     if len(set(rotate)) != len(rotate):
@@ -283,11 +306,20 @@ def unpack_nested(q, k, v) -> tuple[torch.Tensor, ...]:
                             f"it with torch.nested.nested_tensor(..., layout=torch.jagged))")
         if t.dim() != 4 or t._ragged_idx != 1:
             raise ValueError(f"{name} must be a jagged nested tensor of shape [B, j, H, D], got {t.shape}")
+        without_holes(name, t)
     offsets = q.offsets()
     for name, t in (("k", k), ("v", v)):
         if not same_structure(t.offsets(), offsets):
             raise ValueError(f"{name} must have the same jagged structure (offsets) as q")
     return q.values(), k.values(), v.values(), offsets
+
+
+def without_holes(name: str, t: torch.Tensor) -> None:
+    """A jagged nested tensor whose sequences lie back to back in its values: one with holes (``lengths()``, as
+    ``torch.nested.narrow`` makes) has values that are not its sequences' tokens."""
+    if t.lengths() is not None:
+        raise ValueError(f"{name} is a jagged nested tensor with holes between its sequences (it has lengths(), as "
+                         f"torch.nested.narrow makes): pass {name}.contiguous()")
 
 
 def jagged_values(name: str, value, offsets_: torch.Tensor, shape: str):
@@ -298,6 +330,7 @@ def jagged_values(name: str, value, offsets_: torch.Tensor, shape: str):
     offsets(offsets_)
     if value.layout != torch.jagged or not same_structure(value.offsets(), offsets_):
         raise ValueError(f"{name}, when nested, must be a torch.jagged tensor {shape} with the structure of q")
+    without_holes(name, value)
     return value.values()
 
 
@@ -385,7 +418,12 @@ def _choice(name: str, value, choices) -> None:
 
 def _flag(name: str, value) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} of type {_qualified(type(value))}")
+
+
+def _qualified(kind: type) -> str:
+    """A type's name, with its module where it is not a builtin (numpy.bool, not bool)."""
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _descales(q_dtype: torch.dtype, device: torch.device, descales) -> None:
@@ -504,7 +542,7 @@ def _timestamps(timestamps, n: int, device: torch.device, device_of: str) -> Non
 
 def _bucket_width(time_bucket_width) -> None:
     if (isinstance(time_bucket_width, bool) or not isinstance(time_bucket_width, (int, float))
-            or not (math.isfinite(time_bucket_width) and time_bucket_width >= MIN_BUCKET_WIDTH)):
+            or not (_finite(time_bucket_width) and time_bucket_width >= MIN_BUCKET_WIDTH)):
         raise ValueError(f"time_bucket_width must be a finite float >= {MIN_BUCKET_WIDTH}, got {time_bucket_width!r}")
 
 
@@ -590,7 +628,7 @@ def block_structure(value, tokens: int | None, block_size_, block_size_of: str |
     table)``, the table ``None`` where the call builds its own. ``block_size`` ``None`` means the layout's or the
     default; ``block_size_of`` names what set it where the caller did not pass it (a layer's, say)."""
     if not isinstance(value, BlockLayout):
-        return value, DEFAULT_BLOCK_SIZE if block_size_ is None else block_size_, None
+        return contiguous_offsets(value), DEFAULT_BLOCK_SIZE if block_size_ is None else block_size_, None
     if tokens is not None and value.num_tokens != tokens:
         raise ValueError(f"offsets is a BlockLayout built for N = {value.num_tokens} tokens, but the inputs have N = "
                          f"{tokens}")

@@ -136,6 +136,7 @@ class BlockSelfAttention(nn.Module):
             raise ValueError(f"x must be [N, d_model={self.d_model}], got {tuple(x.shape)}")
         boundaries = checks.block_structure(offsets, x.shape[0], self.block_size, "this layer's block_size")[0]
         checks.offsets(boundaries, x, "x")  # before the angles are computed from it
+        checks.some_sequence(boundaries, x, "x")
         w, bias = self.qkv.weight, self.qkv.bias
         # (meta tensors have no autocast: asking whether it is on raises)
         if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
@@ -163,6 +164,7 @@ class BlockSelfAttention(nn.Module):
             if x.layout != torch.jagged or x.dim() != 3 or x._ragged_idx != 1:
                 raise ValueError(f"x, when nested, must be a torch.jagged tensor [B, j, d_model], got {x.shape} "
                                  f"with layout {x.layout}")
+            checks.without_holes("x", x)
             out = self.out(self.attend(x.values(), x.offsets()).flatten(1))
             return torch.nested.nested_tensor_from_jagged(out, x.offsets(), min_seqlen=x._maybe_min_seqlen,
                                                           max_seqlen=x._maybe_max_seqlen)

@@ -6,7 +6,8 @@ takes a public call straight to its plan. Each says what of a tensor its
 decisions may depend on (``tensor_key``, an expression of the tensor ``{t}``) and what of the call's context
 (``context``: the current device, grad mode). A signature holds the type of every argument, the ``tensor_key`` of each
 tensor, every other value itself (which must then be hashable), the context, and (``aliases``) which tensor
-arguments are one tensor. A tensor subclass has no signature (``TypeError``): its own code may run anything.
+arguments are one tensor. A tensor subclass has no signature (``TypeError``): its own code may run anything; nor has
+a tensor whose key cannot be read (a sparse tensor has no strides or storage).
 
 The function that computes a key is generated once per sequence of argument types, one expression per argument
 (Triton generates its argument binders the same way): no loop or type test per argument on every call.
@@ -35,7 +36,10 @@ class Signature:
         key_of = self.functions.get(types)
         if key_of is None:
             key_of = self.functions[types] = self._key_function(types)
-        return types, key_of(args)
+        try:
+            return types, key_of(args)
+        except RuntimeError as error:  # a tensor without strides or storage (a sparse one)
+            raise TypeError(f"no signature: {error}") from error
 
     def _key_function(self, types: tuple[type, ...]) -> Callable[[tuple], tuple]:
         if any(issubclass(t, torch.Tensor) and t not in TENSORS for t in types):
