@@ -109,9 +109,13 @@ def test_strided_offsets(offsets_dtype, public_calls_on_kernels, poisoned_output
         return [out, *torch.autograd.grad(out, leaves, do)]
 
     expected = run(offsets)
-    for boundaries in (strided, blockattn.block_layout(strided, q.shape[0], 16)):
+    layout = blockattn.block_layout(offsets, q.shape[0], 16)
+    for boundaries in (strided, blockattn.block_layout(strided, q.shape[0], 16), layout._replace(offsets=strided)):
         for got, want in zip(run(boundaries), expected):
             assert torch.equal(got, want)
+    nested = [torch.nested.nested_tensor_from_jagged(t, strided) for t in (q, k, v)]
+    out = blockattn.block_attention(*nested, block_size=16)
+    assert out.offsets() is nested[0].offsets() and torch.equal(out.values(), expected[0])
 
 
 def record_launches(monkeypatch) -> list[tuple]:

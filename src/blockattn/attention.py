@@ -177,7 +177,9 @@ def block_attention(
     out = custom_ops.block_attention(*inputs)
     _BLOCK_ATTENTION_CALLS.learn(key, args, inputs)
     if nested:
-        return torch.nested.nested_tensor_from_jagged(out, offsets, min_seqlen=nested_q._maybe_min_seqlen,
+        # q's own offsets (not their contiguous copy, where they are strided): the result has q's structure
+        return torch.nested.nested_tensor_from_jagged(out, nested_q.offsets(),
+                                                      min_seqlen=nested_q._maybe_min_seqlen,
                                                       max_seqlen=nested_q._maybe_max_seqlen)
     return out
 

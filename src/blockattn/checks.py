@@ -254,10 +254,10 @@ def _inference_only(named: dict) -> None:
                          "(call it under torch.no_grad() or detach them)")
 
 
-def sinu_pos(angles, x: torch.Tensor, x_name: str) -> None:
+def sinu_pos(angles, x: torch.Tensor, x_name: str, optional: bool) -> None:
     """``angles`` (``sinu_pos``) must be ``[N, D]`` of ``x = [N, H, D]``, floating, on ``x``'s device, and need no
-    gradient."""
-    tensor("sinu_pos", angles)
+    gradient; ``optional``: the function also takes None (no rotary), which its caller handled."""
+    tensor("sinu_pos", angles, optional)
     n, _, d = x.shape
     if angles.shape != (n, d):
         raise ValueError(f"sinu_pos must be [N, head_dim] = [{n}, {d}] ([sin | cos] per token), got "
@@ -339,7 +339,7 @@ def rotary_args(angles, rotate, q: torch.Tensor) -> None:
     mask is :func:`rotate_bits`'s."""
     rotate_mask(rotate)
     if angles is not None:
-        sinu_pos(angles, q, "q")
+        sinu_pos(angles, q, "q", optional=True)
 
 
 @functools.lru_cache(maxsize=64)
@@ -408,7 +408,7 @@ def rotary_input(x, angles) -> None:
     if x.shape[-1] % 2 or not 2 <= x.shape[-1] <= MAX_ROTARY_DIM:
         raise ValueError(f"head_dim must be even (pairs of columns turn together) and in [2, {MAX_ROTARY_DIM}], "
                          f"got {x.shape[-1]}")
-    sinu_pos(angles, x, "x")
+    sinu_pos(angles, x, "x", optional=False)
 
 
 def _choice(name: str, value, choices) -> None:
@@ -416,7 +416,7 @@ def _choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def _flag(name: str, value) -> None:
+def flag(name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool (True or False), got {value!r} of type {_qualified(type(value))}")
 
@@ -481,10 +481,10 @@ def flash(q, k, v, *, packed: bool, causal, causal_alignment, scale, return_lse,
     if hkv == 0 or hq == 0 or hq % hkv != 0:
         raise ValueError(f"q heads must be a positive multiple of k/v heads (GQA), got Hq={hq}, Hkv={hkv}")
     head_dim(d)
-    _flag("causal", causal)
+    flag("causal", causal)
     _choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
     finite_positive("scale", scale, optional=True)
-    _flag("return_lse", return_lse)
+    flag("return_lse", return_lse)
     if out_dtype is not None:
         if not isinstance(out_dtype, torch.dtype):
             raise TypeError(f"out_dtype must be a torch.dtype or None, got {type(out_dtype).__name__}")
@@ -600,7 +600,7 @@ def in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout
              block: int) -> None:
     """The in-block options of block attention (docs/semantics.md, "Inside a block") for ``q [N, Hq, D]``;
     ``timestamps [N]`` (nested ones unpacked by :func:`jagged_values` first)."""
-    _flag("causal", causal)
+    flag("causal", causal)
     n, hq = q.shape[:2]
     if pos_bias is not None:
         _bias_table("pos_bias", pos_bias, (hq, 2 * block - 1), "2 * block_size - 1 relative positions", q)
@@ -645,7 +645,7 @@ def block_structure(value, tokens: int | None, block_size_, block_size_of: str |
         raise ValueError(f"the BlockLayout's table must have block_cum of shape [{num_seqs}] and block_seq of shape "
                          f"[{slots}] (as blockattn.block_layout builds it), got {list(value.table.block_cum.shape)} "
                          f"and {list(value.table.block_seq.shape)}")
-    return value.offsets, value.block_size, value.table
+    return contiguous_offsets(value.offsets), value.block_size, value.table
 
 
 def layout(offsets_, num_tokens, block) -> None:

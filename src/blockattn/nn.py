@@ -108,8 +108,7 @@ class BlockSelfAttention(nn.Module):
         checks.finite_positive("rotary_base", rotary_base)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        checks.flag("causal", causal)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.block_size, self.rotary, self.rotate = block_size, bool(rotary), tuple(rotate)
         self.rotary_base, self.causal, self.dropout = float(rotary_base), causal, float(dropout)
