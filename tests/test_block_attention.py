@@ -118,6 +118,27 @@ def test_strided_offsets(offsets_dtype, public_calls_on_kernels, poisoned_output
     assert out.offsets() is nested[0].offsets() and torch.equal(out.values(), expected[0])
 
 
+def test_second_derivatives(public_calls_on_kernels):
+    """The PyTorch path's backward records its graph (a gradient penalty trains through it); the kernels compute
+    first-order gradients only, and a second derivative through them raises rather than silently dropping terms."""
+    offsets = make_offsets([3, 0, 17])
+    q, k, v = (torch.randn(20, h, 16, dtype=torch.float64, requires_grad=True) for h in (2, 1, 1))
+    x = torch.randn(20, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4 * 16, dtype=torch.float64, requires_grad=True)
+    angles = random_angles(20, 16, torch.float64)
+    torch.autograd.gradgradcheck(lambda *t: blockattn.block_attention(*t, offsets, block_size=16, sinu_pos=angles,
+                                                                       causal=True), (q, k, v), fast_mode=True)
+    torch.autograd.gradgradcheck(lambda x, w: blockattn.qkv_block_attention(x, w, offsets, num_heads=2,
+                                                                             num_kv_heads=1, block_size=16), (x, w),
+                                 fast_mode=True)
+    device = public_calls_on_kernels
+    q, k, v = (t.detach().float().to(device).requires_grad_() for t in (q, k, v))
+    out = blockattn.block_attention(q, k, v, offsets.to(device), block_size=16)
+    dq, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="first-order gradients only: a second derivative"):
+        dq.pow(2).sum().backward()
+
+
 def record_launches(monkeypatch) -> list[tuple]:
     """The Triton launchers' launches from now on, as ``(kernel, keyword arguments)``; each still runs."""
     launched = []

@@ -227,6 +227,7 @@ def test_factory_kwargs_reset_parameters_and_repr():
         ({"d_model": 64, "num_heads": 4, "rotary_base": 0.0}, ValueError, "rotary_base"),
         ({"d_model": 64, "num_heads": 4, "rotary_base": math.inf}, ValueError, "rotary_base"),
         ({"d_model": 64, "num_heads": 4, "causal": 1}, TypeError, "causal must be a bool"),
+        ({"d_model": 64, "num_heads": 4, "rotary": 0}, TypeError, "rotary must be a bool"),
         ({"d_model": 64, "num_heads": 4, "causal": np.bool_(True)}, TypeError,
          "causal must be a bool \\(True or False\\), got .*True.* of type numpy.bool"),
         ({"d_model": 64, "num_heads": 4, "dropout": 1.5}, ValueError, "dropout must be a float in \\[0, 1\\)"),

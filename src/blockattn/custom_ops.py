@@ -256,6 +256,8 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save, inpu
     def backward(ctx, grad_out):
         backward_impl = bwd_impl if ctx.plan is None else functools.partial(_backward_after_replay, ctx.plan, bwd_impl)
         grads = input_grads(ctx, grad_out, backward_impl)
+        if torch.is_grad_enabled():  # create_graph=True
+            grads = _second_order_refused(grads)
         return None, None, *(grads[i] for i in differentiable)
 
     function = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
@@ -263,6 +265,25 @@ def _register_autograd(name: str, fwd_op, bwd_op, fwd_impl, bwd_impl, save, inpu
                                                        "differentiable": differentiable})
     function.eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
     return function
+
+
+def _second_order_refused(grads: tuple) -> tuple:
+    """The gradients of a backward that autograd records (``create_graph=True``): those that carry no graph (the
+    kernels computed them; the PyTorch path's ops record one) become tensors whose own backward raises, as
+    ``torch.autograd.function.once_differentiable`` makes them, instead of constants that would silently drop the
+    second-order terms."""
+    constant = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and g.grad_fn is None]
+    if not constant:
+        return grads
+    refuse = torch._C._functions.DelayedError(
+        b"blockattn's attention kernels compute first-order gradients only: a second derivative (double backward) "
+        b"through them is not supported", len(constant))
+    refused = refuse(*[grads[i].detach().requires_grad_() for i in constant])
+    refused = refused if isinstance(refused, tuple) else (refused,)
+    grads = list(grads)
+    for i, g in zip(constant, refused):
+        grads[i] = g
+    return tuple(grads)
 
 
 # Backward plans kept a forward plan (``grad_out`` of other strides or alignments: a few at most).
@@ -457,11 +478,19 @@ def _qkv_block_attention_backward(grad_out, qkv, offsets, sinu_pos, block_cum, b
                                   dropout_seed=None, time_buckets=None) -> tuple:
     """``(dqkv, dpos_bias, dtime_bias)``, None for an absent bias's; ``dqkv`` in the packed layout of ``qkv``: the
     kernel writes dq, dk, dv straight into views of one buffer."""
-    dqkv = tiles.new_output(qkv)
     options = InBlock(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, dropout_seed,
                       time_buckets)
-    bias_grads = _backward(grad_out, *split_heads(qkv, num_heads, num_kv_heads), offsets, sinu_pos, block_cum,
-                           block_seq, block_size, scale, rotate, options, split_heads(dqkv, num_heads, num_kv_heads))
+    heads = split_heads(qkv, num_heads, num_kv_heads)
+    if torch.is_grad_enabled():
+        # create_graph=True: the PyTorch path records its gradients' graph, which writes into views of one buffer
+        # would break; they are joined after.
+        grads = tuple(tiles.new_output(t) for t in heads)
+        bias_grads = _backward(grad_out, *heads, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate,
+                               options, grads)
+        return torch.cat([g.flatten(1) for g in grads], 1), *bias_grads
+    dqkv = tiles.new_output(qkv)
+    bias_grads = _backward(grad_out, *heads, offsets, sinu_pos, block_cum, block_seq, block_size, scale, rotate,
+                           options, split_heads(dqkv, num_heads, num_kv_heads))
     return dqkv, *bias_grads
 
 

@@ -109,8 +109,9 @@ class BlockSelfAttention(nn.Module):
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
         checks.flag("causal", causal)
+        checks.flag("rotary", rotary)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
-        self.block_size, self.rotary, self.rotate = block_size, bool(rotary), tuple(rotate)
+        self.block_size, self.rotary, self.rotate = block_size, rotary, tuple(rotate)
         self.rotary_base, self.causal, self.dropout = float(rotary_base), causal, float(dropout)
         factory = {"device": device, "dtype": dtype}
         self.qkv = nn.Linear(d_model, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, **factory)
