@@ -626,8 +626,10 @@ def test_varlen_validation():
         call(q, k, v, cu_q, cu_k[:-1])
     with pytest.raises(TypeError, match="cu_seqlens_q must be int32 or int64"):
         call(q, k, v, cu_q.float(), cu_k)
-    with pytest.raises(ValueError, match="max_seqlen_q must be a non-negative int"):
+    with pytest.raises(TypeError, match="max_seqlen_q must be a non-negative int or None, got 2.5 of type float"):
         call(q, k, v, cu_q, cu_k, max_seqlen_q=2.5)
+    with pytest.raises(ValueError, match="max_seqlen_q must be a non-negative int"):
+        call(q, k, v, cu_q, cu_k, max_seqlen_q=-1)
     with pytest.raises(ValueError, match="more than the max_seqlen hint"):
         call(q, k, v, cu_q, cu_k, max_seqlen_q=3)
     with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\] must equal"):

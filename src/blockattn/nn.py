@@ -106,7 +106,8 @@ class BlockSelfAttention(nn.Module):
         checks.block_size(block_size)
         checks.rotate_mask(rotate)
         checks.finite_positive("rotary_base", rotary_base)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        checks.of_kind("dropout", dropout, (int, float), "a float in [0, 1)")
+        if not 0 <= dropout < 1:
             raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
         checks.flag("causal", causal)
         checks.flag("rotary", rotary)
