@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -140,16 +141,22 @@ def float_tensor(name: str, t, ndim: int, layout: str, also: tuple[torch.dtype, 
         raise TypeError(f"{name} must be {_dtype_names(dtypes)} on {t.device.type}, got {t.dtype}")
 
 
-def of_kind(name: str, value, kinds: tuple[type, ...], what: str) -> None:
-    """A ``TypeError`` where ``value`` is none of ``kinds`` (a bool counts as none: True is no size or scale)."""
+def number(name: str, value, kinds: tuple[type, ...], what: str, valid: Callable[[float], bool]) -> None:
+    """A number of one of ``kinds`` (a ``TypeError`` otherwise; a bool counts as none: True is no size or scale)
+    for which ``valid`` holds (a ``ValueError`` otherwise); both messages say it must be ``what``."""
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise TypeError(f"{name} must be {what}, got {value!r} of type {_qualified(type(value))}")
+    if not valid(value):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 def positive_int(name: str, value) -> None:
-    of_kind(name, value, (int,), "a positive int")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    number(name, value, (int,), "a positive int", lambda n: n >= 1)
+
+
+def probability(name: str, value) -> None:
+    """A dropout probability, in ``[0, 1)``."""
+    number(name, value, (int, float), "a float in [0, 1)", lambda p: 0 <= p < 1)
 
 
 def head_dim(d, source: str = "") -> None:
@@ -159,18 +166,14 @@ def head_dim(d, source: str = "") -> None:
 
 
 def block_size(value) -> None:
-    of_kind("block_size", value, (int,), f"one of {BLOCK_SIZES}")
-    if value not in BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {value!r}")
+    number("block_size", value, (int,), f"one of {BLOCK_SIZES}", lambda n: n in BLOCK_SIZES)
 
 
 def finite_positive(name: str, value, optional: bool = False) -> None:
     if optional and value is None:
         return
-    what = f"a finite positive float{' or None' if optional else ''}"
-    of_kind(name, value, (int, float), what)
-    if not (_finite(value) and value > 0):
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+    number(name, value, (int, float), f"a finite positive float{' or None' if optional else ''}",
+           lambda x: _finite(x) and x > 0)
 
 
 def _finite(value: float) -> bool:
@@ -517,11 +520,8 @@ def cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> None:
         raise ValueError(f"cu_seqlens_q describes no sequence (B = 0) but q has {q.shape[0]} and k {k.shape[0]} "
                          "tokens")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if value is None:
-            continue
-        of_kind(name, value, (int,), "a non-negative int or None")
-        if value < 0:
-            raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+        if value is not None:
+            number(name, value, (int,), "a non-negative int or None", lambda n: n >= 0)
 
 
 def _bias_table(name: str, bias, shape: tuple[int, int], what: str, q: torch.Tensor) -> None:
@@ -554,9 +554,8 @@ def _timestamps(timestamps, n: int, device: torch.device, device_of: str) -> Non
 
 
 def _bucket_width(time_bucket_width) -> None:
-    of_kind("time_bucket_width", time_bucket_width, (int, float), f"a finite float >= {MIN_BUCKET_WIDTH}")
-    if not (_finite(time_bucket_width) and time_bucket_width >= MIN_BUCKET_WIDTH):
-        raise ValueError(f"time_bucket_width must be a finite float >= {MIN_BUCKET_WIDTH}, got {time_bucket_width!r}")
+    number("time_bucket_width", time_bucket_width, (int, float), f"a finite float >= {MIN_BUCKET_WIDTH}",
+           lambda x: _finite(x) and x >= MIN_BUCKET_WIDTH)
 
 
 def layout_times(timestamps, num_time_buckets, time_bucket_width, offsets_: torch.Tensor,
@@ -573,9 +572,7 @@ def layout_times(timestamps, num_time_buckets, time_bucket_width, offsets_: torc
                              "the timestamps' buckets")
         return None
     _timestamps(timestamps, num_tokens_, offsets_.device, "offsets")
-    of_kind("num_time_buckets", num_time_buckets, (int,), "a positive int")
-    if num_time_buckets < 1:
-        raise ValueError(f"num_time_buckets must be a positive int, got {num_time_buckets!r}")
+    positive_int("num_time_buckets", num_time_buckets)
     width = DEFAULT_BUCKET_WIDTH if time_bucket_width is None else time_bucket_width
     _bucket_width(width)
     return float(width)
@@ -626,9 +623,7 @@ def in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout
         _timestamps(timestamps, n, q.device, "q")
         _bias_table("time_bias", time_bias, (hq, 0), "num_buckets", q)
         _bucket_width(time_bucket_width)
-    of_kind("dropout_p", dropout_p, (int, float), "a float in [0, 1)")
-    if not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    probability("dropout_p", dropout_p)
 
 
 def num_tokens(x) -> int | None:
@@ -666,9 +661,8 @@ def block_structure(value, tokens: int | None, block_size_, block_size_of: str |
 def layout(offsets_, num_tokens, block) -> None:
     """The arguments of :func:`blockattn.block_layout`."""
     offsets(offsets_)
-    of_kind("num_tokens", num_tokens, (int, torch.SymInt), "a non-negative int (the N of the inputs)")
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be a non-negative int (the N of the inputs), got {num_tokens!r}")
+    number("num_tokens", num_tokens, (int, torch.SymInt), "a non-negative int (the N of the inputs)",
+           lambda n: n >= 0)
     if offsets_.numel() == 1 and num_tokens != 0:
         raise ValueError(f"offsets describes no sequence (B = 0) but num_tokens is {num_tokens}; expected "
                          "offsets[-1] == num_tokens")

@@ -106,9 +106,7 @@ class BlockSelfAttention(nn.Module):
         checks.block_size(block_size)
         checks.rotate_mask(rotate)
         checks.finite_positive("rotary_base", rotary_base)
-        checks.of_kind("dropout", dropout, (int, float), "a float in [0, 1)")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        checks.probability("dropout", dropout)
         checks.flag("causal", causal)
         checks.flag("rotary", rotary)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
