@@ -251,7 +251,7 @@ def test_forward_validation():
         layer(torch.randn(4, 32, dtype=torch.float16), offsets)
     with pytest.raises(ValueError, match="offsets"):
         layer(torch.randn(4, 32), make_offsets([3]))
-    with pytest.raises(ValueError, match="offsets describes no sequence \\(B = 0\\) but x has N = 4 tokens"):
+    with pytest.raises(ValueError, match="offsets describes no sequence \\(B = 0\\) but x's N = 4"):
         layer(torch.randn(4, 32), make_offsets([]))
     # Checked before the rotary angles are computed from them.
     for bad, error, match in ((torch.tensor(4), ValueError, "offsets must be 1-D"),

@@ -345,3 +345,48 @@ def test_the_oldest_passed_signature_is_checked_again(monkeypatch):
     assert len(ran) == 3
     blockattn.block_attention(*shapes[0], o)
     assert len(ran) == 4
+
+
+def test_numpy_numbers_are_taken_as_python_numbers():
+    """Sizes, counts and scales read from a numpy array or config (np.int64, np.float32) are taken as the Python
+    numbers they equal: the same result; a numpy bool is no size, an inf scale no scale."""
+    q, k, v, o = good()
+    x = torch.randn(10, 32)
+    w = torch.randn(32, 4 * 16)
+    timestamps = torch.arange(10, dtype=torch.int64)
+    time_bias = torch.randn(4, 5)
+    plain = blockattn.block_attention(q, k, v, o, block_size=16, scale=0.25, dropout_p=0.0)
+    numpy = blockattn.block_attention(q, k, v, o, block_size=np.int64(16), scale=np.float32(0.25),
+                                      dropout_p=np.float32(0.0))
+    torch.testing.assert_close(numpy, plain, rtol=0, atol=0)
+    layout = blockattn.block_layout(o, np.int64(10), np.int32(16), timestamps=timestamps,
+                                    num_time_buckets=np.int64(5), time_bucket_width=np.float32(0.5))
+    assert type(layout.num_tokens) is int and type(layout.block_size) is int
+    assert type(layout.num_time_buckets) is int and type(layout.time_bucket_width) is float
+    torch.testing.assert_close(blockattn.block_attention(q, k, v, layout, time_bias=time_bias),
+                               blockattn.block_attention(q, k, v, o, block_size=16, timestamps=timestamps,
+                                                         time_bias=time_bias, time_bucket_width=0.5), rtol=0, atol=0)
+    torch.testing.assert_close(
+        blockattn.qkv_block_attention(x, w, o, num_heads=np.int64(2), num_kv_heads=np.int32(1),
+                                      block_size=np.int64(16)),
+        blockattn.qkv_block_attention(x, w, o, num_heads=2, num_kv_heads=1, block_size=16), rtol=0, atol=0)
+    layer = BlockSelfAttention(np.int64(64), np.int64(4), num_kv_heads=np.int64(2), block_size=np.int64(32),
+                               rotary_base=np.float32(100.0), dropout=np.float64(0.0))
+    assert (type(layer.d_model), type(layer.num_heads), type(layer.block_size)) == (int, int, int)
+    assert repr(layer) == repr(BlockSelfAttention(64, 4, num_kv_heads=2, block_size=32, rotary_base=100.0))
+    cu = make_offsets([4, 6]).int()
+    torch.testing.assert_close(
+        blockattn.flash_attention_varlen(q, k, v, cu, cu, max_seqlen_q=np.int64(6), max_seqlen_k=np.int64(6)),
+        blockattn.flash_attention_varlen(q, k, v, cu, cu, max_seqlen_q=6, max_seqlen_k=6), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="block_size must be one of .* of type numpy.bool"):
+        blockattn.block_attention(q, k, v, o, block_size=np.bool_(True))
+    with pytest.raises(ValueError, match="scale must be a finite positive float or None, got .*inf"):
+        blockattn.block_attention(q, k, v, o, scale=np.float32("inf"))
+    with pytest.raises(TypeError, match="num_heads must be a positive int, got .* of type numpy.float64"):
+        blockattn.qkv_block_attention(x, w, o, num_heads=np.float64(2), num_kv_heads=1)
+
+
+def test_block_layout_of_no_sequence_with_tokens():
+    with pytest.raises(ValueError, match="offsets describes no sequence \\(B = 0\\) but num_tokens = 5; expected"):
+        blockattn.block_layout(torch.zeros(1, dtype=torch.int64), 5)
+    assert blockattn.block_layout(torch.zeros(1, dtype=torch.int64), 0).num_tokens == 0

@@ -46,9 +46,10 @@ def block_layout(offsets: torch.Tensor, num_tokens: int, block_size: int = check
     Works under ``torch.compile`` (built inside the compiled model or passed into it; opaque ops, dynamic shapes
     included) and CUDA-graph capture like the calls themselves.
     """
-    checks.layout(offsets, num_tokens, block_size)
+    num_tokens, block_size = checks.layout(offsets, num_tokens, block_size)
     offsets = checks.contiguous_offsets(offsets)
-    width = checks.layout_times(timestamps, num_time_buckets, time_bucket_width, offsets, num_tokens)
+    num_time_buckets, width = checks.layout_times(timestamps, num_time_buckets, time_bucket_width, offsets,
+                                                  num_tokens)
     table = BlockTable(*custom_ops.block_table(offsets, num_tokens, block_size))
     if timestamps is None:
         return BlockLayout(offsets, num_tokens, block_size, table)
@@ -170,7 +171,7 @@ def block_attention(
                                 time_bias, time_bucket_width, dropout_p, out_dtype, q_descale, k_descale, v_descale,
                                 out_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    inputs = (q, k, v, offsets, sinu_pos, block_size, scale, checks.rotate_bits(rotate, sinu_pos), causal, pos_bias,
+    inputs = (q, k, v, offsets, sinu_pos, checks.plain(block_size), scale, checks.rotate_bits(rotate, sinu_pos), causal, pos_bias,
               timestamps, time_bias, float(time_bucket_width), float(dropout_p), _dropout_seed(dropout_p, q.device),
               *_table_args(table), q_descale, k_descale, v_descale, out_scale, fp8.out_dtype_of(q.dtype, out_dtype),
               time_buckets)
@@ -250,6 +251,7 @@ def qkv_block_attention(
     checks.qkv_block_attention_call(x, w, bias, num_heads, num_kv_heads, offsets, block_size, scale, sinu_pos, rotate,
                                     causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout_p, x_descale,
                                     w_descale, qkv_scale, out_dtype, out_scale)
+    num_heads, num_kv_heads, block_size = map(checks.plain, (num_heads, num_kv_heads, block_size))
     head_dim = custom_ops.packed_head_dim(w, num_heads, num_kv_heads)  # w's columns are those of the projection
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     rotate = checks.rotate_bits(rotate, sinu_pos)

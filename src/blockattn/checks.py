@@ -13,6 +13,7 @@ the checks cost more host time than the kernels of a small batch.
 from __future__ import annotations
 
 import functools
+import numbers
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
@@ -141,22 +142,38 @@ def float_tensor(name: str, t, ndim: int, layout: str, also: tuple[torch.dtype, 
         raise TypeError(f"{name} must be {_dtype_names(dtypes)} on {t.device.type}, got {t.dtype}")
 
 
-def number(name: str, value, kinds: tuple[type, ...], what: str, valid: Callable[[float], bool]) -> None:
+# The kinds of number the checks take: Python's and every registered kind (numpy's among them), but bool.
+INT = (numbers.Integral,)
+REAL = (numbers.Real,)
+
+
+def number(name: str, value, kinds: tuple[type, ...], what: str, valid: Callable[[float], bool]):
     """A number of one of ``kinds`` (a ``TypeError`` otherwise; a bool counts as none: True is no size or scale)
-    for which ``valid`` holds (a ``ValueError`` otherwise); both messages say it must be ``what``."""
+    for which ``valid`` holds (a ``ValueError`` otherwise); both messages say it must be ``what``. Returns it as
+    the ops take it (:func:`plain`)."""
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise TypeError(f"{name} must be {what}, got {value!r} of type {_qualified(type(value))}")
+    value = plain(value)
     if not valid(value):
         raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
 
 
-def positive_int(name: str, value) -> None:
-    number(name, value, (int,), "a positive int", lambda n: n >= 1)
+def plain(value):
+    """A checked number as the custom ops' schemas take it: a numpy (or other registered) int or float as Python's
+    int or float; Python's numbers and SymInts as they are (a SymInt must not be specialised)."""
+    if type(value) in (int, float) or isinstance(value, torch.SymInt):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
-def probability(name: str, value) -> None:
+def positive_int(name: str, value) -> int:
+    return number(name, value, INT, "a positive int", lambda n: n >= 1)
+
+
+def probability(name: str, value) -> float:
     """A dropout probability, in ``[0, 1)``."""
-    number(name, value, (int, float), "a float in [0, 1)", lambda p: 0 <= p < 1)
+    return number(name, value, REAL, "a float in [0, 1)", lambda p: 0 <= p < 1)
 
 
 def head_dim(d, source: str = "") -> None:
@@ -165,15 +182,15 @@ def head_dim(d, source: str = "") -> None:
         raise ValueError(f"head_dim{source} must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
 
 
-def block_size(value) -> None:
-    number("block_size", value, (int,), f"one of {BLOCK_SIZES}", lambda n: n in BLOCK_SIZES)
+def block_size(value) -> int:
+    return number("block_size", value, INT, f"one of {BLOCK_SIZES}", lambda n: n in BLOCK_SIZES)
 
 
-def finite_positive(name: str, value, optional: bool = False) -> None:
+def finite_positive(name: str, value, optional: bool = False) -> float | None:
     if optional and value is None:
-        return
-    number(name, value, (int, float), f"a finite positive float{' or None' if optional else ''}",
-           lambda x: _finite(x) and x > 0)
+        return None
+    return number(name, value, REAL, f"a finite positive float{' or None' if optional else ''}",
+                  lambda x: _finite(x) and x > 0)
 
 
 def _finite(value: float) -> bool:
@@ -194,11 +211,11 @@ def offsets(value, like: torch.Tensor | None = None, like_name: str = "", name: 
         raise ValueError(f"{name} must be on the device of {like_name} ({like.device}), got {value.device}")
 
 
-def some_sequence(offsets_: torch.Tensor, x: torch.Tensor, x_name: str) -> None:
-    """At least one sequence in ``offsets`` where the inputs ``x [N, ...]`` have tokens: decidable from shapes
-    alone, and the kernels need a sequence to look blocks up in."""
-    if offsets_.numel() == 1 and x.shape[0] != 0:
-        raise ValueError(f"offsets describes no sequence (B = 0) but {x_name} has N = {x.shape[0]} tokens; expected "
+def some_sequence(offsets_: torch.Tensor, num_tokens_, what: str) -> None:
+    """At least one sequence in ``offsets`` where the inputs have ``num_tokens`` tokens (``what`` names that count:
+    "q's N", "num_tokens"): decidable from shapes alone, and the kernels need a sequence to look blocks up in."""
+    if offsets_.numel() == 1 and num_tokens_ != 0:
+        raise ValueError(f"offsets describes no sequence (B = 0) but {what} = {num_tokens_}; expected "
                          "offsets[-1] == N")
 
 
@@ -213,7 +230,7 @@ def attention(q, k, v, offsets_, block, scale) -> None:
         raise ValueError(f"q, k, v and offsets must be on one device, got q {q.device}, k {k.device}, v {v.device}, "
                          f"offsets {offsets_.device}")
     n, hq, d = q.shape
-    some_sequence(offsets_, q, "q")
+    some_sequence(offsets_, q.shape[0], "q's N")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {_describe(k)} and v {_describe(v)}")
     if k.shape[0] != n:
@@ -521,7 +538,7 @@ def cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> None:
                          "tokens")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None:
-            number(name, value, (int,), "a non-negative int or None", lambda n: n >= 0)
+            number(name, value, INT, "a non-negative int or None", lambda n: n >= 0)
 
 
 def _bias_table(name: str, bias, shape: tuple[int, int], what: str, q: torch.Tensor) -> None:
@@ -553,16 +570,16 @@ def _timestamps(timestamps, n: int, device: torch.device, device_of: str) -> Non
         raise ValueError("timestamps requires grad, but no gradient flows to them: pass timestamps.detach()")
 
 
-def _bucket_width(time_bucket_width) -> None:
-    number("time_bucket_width", time_bucket_width, (int, float), f"a finite float >= {MIN_BUCKET_WIDTH}",
+def _bucket_width(time_bucket_width) -> float:
+    return number("time_bucket_width", time_bucket_width, REAL, f"a finite float >= {MIN_BUCKET_WIDTH}",
            lambda x: _finite(x) and x >= MIN_BUCKET_WIDTH)
 
 
 def layout_times(timestamps, num_time_buckets, time_bucket_width, offsets_: torch.Tensor,
-                 num_tokens_: int) -> float | None:
+                 num_tokens_: int) -> tuple[int, float] | tuple[None, None]:
     """The time-bias arguments of :func:`blockattn.block_layout`: both or neither of ``timestamps [N]`` and
-    ``num_time_buckets``, a width only with them; returns the width (0.301 when left out), None without
-    timestamps."""
+    ``num_time_buckets``, a width only with them; returns ``(num_time_buckets, width)`` (the width 0.301 when left
+    out), Nones without timestamps."""
     if (timestamps is None) != (num_time_buckets is None):
         raise ValueError("block_layout takes timestamps and num_time_buckets together (the time bias's "
                          "time_bias.shape[1]), or neither")
@@ -570,12 +587,11 @@ def layout_times(timestamps, num_time_buckets, time_bucket_width, offsets_: torc
         if time_bucket_width is not None:
             raise ValueError("time_bucket_width was given to block_layout without timestamps: it is the width of "
                              "the timestamps' buckets")
-        return None
+        return None, None
     _timestamps(timestamps, num_tokens_, offsets_.device, "offsets")
-    positive_int("num_time_buckets", num_time_buckets)
+    num_time_buckets = positive_int("num_time_buckets", num_time_buckets)
     width = DEFAULT_BUCKET_WIDTH if time_bucket_width is None else time_bucket_width
-    _bucket_width(width)
-    return float(width)
+    return num_time_buckets, float(_bucket_width(width))
 
 
 def layout_time_bias(value, timestamps, time_bias, time_bucket_width) -> tuple:
@@ -658,15 +674,13 @@ def block_structure(value, tokens: int | None, block_size_, block_size_of: str |
     return contiguous_offsets(value.offsets), value.block_size, value.table
 
 
-def layout(offsets_, num_tokens, block) -> None:
-    """The arguments of :func:`blockattn.block_layout`."""
+def layout(offsets_, num_tokens, block) -> tuple:
+    """The arguments of :func:`blockattn.block_layout`; returns ``(num_tokens, block_size)`` as the ops take them."""
     offsets(offsets_)
-    number("num_tokens", num_tokens, (int, torch.SymInt), "a non-negative int (the N of the inputs)",
+    num_tokens = number("num_tokens", num_tokens, (*INT, torch.SymInt), "a non-negative int (the N of the inputs)",
            lambda n: n >= 0)
-    if offsets_.numel() == 1 and num_tokens != 0:
-        raise ValueError(f"offsets describes no sequence (B = 0) but num_tokens is {num_tokens}; expected "
-                         "offsets[-1] == num_tokens")
-    block_size(block)
+    some_sequence(offsets_, num_tokens, "num_tokens")
+    return num_tokens, block_size(block)
 
 
 # The checks of each public attention call, run once per signature of its arguments (once_per_signature).

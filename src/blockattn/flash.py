@@ -56,6 +56,7 @@ def _attend(q, k, v, cu_seqlens, max_seqlens, *, causal, causal_alignment, scale
                           q_descale, k_descale, v_descale, variant)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         out_dtype = fp8.out_dtype_of(q.dtype, out_dtype) or q.dtype
+        max_seqlens = tuple(None if m is None else checks.plain(m) for m in max_seqlens)
         inputs = (q, k, v, *cu_seqlens, *max_seqlens, scale, causal, causal_alignment == "bottom_right", out_dtype,
                   q_descale, k_descale, v_descale, variant)
         out, lse = custom_ops.flash_attention(*inputs)
@@ -117,7 +118,7 @@ def flash_attention_varlen(
     No host synchronisation: the grid comes from the shapes (one program per possible tile of query rows), never from
     reading ``cu_seqlens`` on the host, so the call works under ``torch.compile(fullgraph=True)`` and CUDA graphs
     (new ``cu_seqlens`` values of the same shapes replay correctly). ``max_seqlen_q`` and ``max_seqlen_k``, optional
-    Python ints, are upper bounds on the sequences' lengths: ``max_seqlen_q`` shrinks the grid. Their values, like
+    ints, are upper bounds on the sequences' lengths: ``max_seqlen_q`` shrinks the grid. Their values, like
     those of ``cu_seqlens``, are checked with a ``ValueError`` on the CPU and by a device-side assertion on a GPU
     (it fails the next synchronising call); the kernels never read or write out of bounds meanwhile.
     """

@@ -89,10 +89,9 @@ class BlockSelfAttention(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        checks.positive_int("d_model", d_model)
-        checks.positive_int("num_heads", num_heads)
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        checks.positive_int("num_kv_heads", num_kv_heads)
+        d_model = checks.positive_int("d_model", d_model)
+        num_heads = checks.positive_int("num_heads", num_heads)
+        num_kv_heads = checks.positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads must be a multiple of num_kv_heads (GQA), got num_heads={num_heads}, "
                              f"num_kv_heads={num_kv_heads}")
@@ -101,12 +100,12 @@ class BlockSelfAttention(nn.Module):
                 raise ValueError(f"d_model must be divisible by num_heads when head_dim is None, got d_model="
                                  f"{d_model}, num_heads={num_heads}; pass head_dim")
             head_dim = d_model // num_heads
-        checks.positive_int("head_dim", head_dim)
+        head_dim = checks.positive_int("head_dim", head_dim)
         checks.head_dim(head_dim)
-        checks.block_size(block_size)
+        block_size = checks.block_size(block_size)
         checks.rotate_mask(rotate)
-        checks.finite_positive("rotary_base", rotary_base)
-        checks.probability("dropout", dropout)
+        rotary_base = checks.finite_positive("rotary_base", rotary_base)
+        dropout = checks.probability("dropout", dropout)
         checks.flag("causal", causal)
         checks.flag("rotary", rotary)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
@@ -135,7 +134,7 @@ class BlockSelfAttention(nn.Module):
             raise ValueError(f"x must be [N, d_model={self.d_model}], got {tuple(x.shape)}")
         boundaries = checks.block_structure(offsets, x.shape[0], self.block_size, "this layer's block_size")[0]
         checks.offsets(boundaries, x, "x")  # before the angles are computed from it
-        checks.some_sequence(boundaries, x, "x")
+        checks.some_sequence(boundaries, x.shape[0], "x's N")
         w, bias = self.qkv.weight, self.qkv.bias
         # (meta tensors have no autocast: asking whether it is on raises)
         if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
@@ -148,6 +147,8 @@ class BlockSelfAttention(nn.Module):
         sinu_pos = None
         if self.rotary:
             sinu_pos = rotary_sinu_pos(boundaries, x.shape[0], self.head_dim, self.rotary_base)
+        # a layout as it is (its table is built), offsets as checked (a strided tensor copied once, here)
+        offsets = offsets if isinstance(offsets, BlockLayout) else boundaries
         return qkv_block_attention(x, w.t(), offsets, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                    sinu_pos=sinu_pos, bias=bias, block_size=self.block_size,
                                    rotate=self.rotate, causal=self.causal,
