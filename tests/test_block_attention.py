@@ -480,6 +480,30 @@ def test_forward_heads_per_program_with_fp32_angles_without_gqa():
                                  for heads in (None, 1)), atol=1e-3, rtol=1e-3)
 
 
+def test_forward_rotary_pair_of_heads_runs_one_stage_under_a_cap():
+    """Under GQA of two query heads a kv head, the 16-bit rotary forward with fp32 angles at 64-token blocks and
+    D = 128 (no in-block option) runs its pair of heads in one stage under a cap of 168 registers (measured faster on
+    an H200); elsewhere no cap of this rule. The rule's launch gives the output of the uncapped four-stage one."""
+    def rule(**changes):
+        args = {"rotary": True, "fp32_angles": True, "group": 2, "element_size": 2, "in_block_bits": 0,
+                "head_dim": 128, "block_size": 64} | changes
+        cfg = triton_ops.kernel_config(args.pop("block_size"), args.pop("head_dim"), backward=False, **args)
+        return cfg["HEADS_PER_PROGRAM"], cfg["GROUP_STAGES"], cfg["MAXNREG"]
+    assert rule() == (2, 1, 168)
+    for other in ({"fp32_angles": False}, {"group": 4}, {"group": 1}, {"head_dim": 64}, {"block_size": 32},
+                  {"element_size": 1}, {"in_block_bits": in_block.CAUSAL.value}, {"rotary": False}):
+        assert rule(**other)[2] is None, other
+
+    q, k, v, _, offsets = random_inputs(odd_lengths(64), 4, 2, 128, torch.float16, KERNEL_DEVICE)
+    table = build_block_table(offsets, q.shape[0], 64)
+    angles = random_angles(q.shape[0], 128, torch.float32, KERNEL_DEVICE)
+
+    def forward(**override):
+        return triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 64, 0.125, angles, ROTATE_ALL,
+                                                     **override)
+    torch.testing.assert_close(forward(), forward(group_stages=4, maxnreg=255), atol=1e-3, rtol=1e-3)
+
+
 def test_forward_rotary_past_d128_runs_the_group_on_whole_rows():
     """The 16-bit rotary forward under GQA past D = 128 (16- to 64-token blocks, no in-block option) runs whole rows
     and the group in a program: 8 warps and two stages at 64-token blocks, 4 warps and one stage below (measured

@@ -151,6 +151,14 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     warps 2.85-4.88x). At D = 128 (two slices a program; whole rows with the group lost: 2.36x against 2.06x at
     8:1) it stays a program per query head.
 
+    Under GQA of two query heads a kv head, the rotary forward with fp32 angles at 64-token blocks and D = 128 (no
+    in-block option) runs its pair of heads in one stage under a cap of 168 registers (``MAXNREG``):
+    98 KiB of shared memory and 250 registers held it to two programs an SM, three now. H200, the sweep's lengths,
+    8 query heads, over the floor (2026-11-29, a `.gpu` script on this launcher's overrides, 03:10 UTC): 1.53x ->
+    1.43x (two stages capped 1.50x; 128 registers 2.23-2.45x). At 8:2 and 8:1 every cap lost (8:2 1.41x -> 1.53x
+    in one stage or two, 8:1 1.37x -> 1.55-1.61x; bf16 angles at 8:2 1.43x -> 1.55-1.61x), and so it did without
+    GQA (four heads a program, 1.26x -> 1.58-1.78x). Not measured with bf16 angles at 8:4, nor on an H100.
+
     The 16-bit forward with a fused rotary under GQA past D = 128 (16-, 32- and 64-token blocks, no in-block option)
     takes whole rows and the group in one program too, on k, v and the angles loaded and turned once: 8 warps and
     two stages at 64-token blocks, 4 warps and one stage below (one block a program there: ``tiles.blocks_per_tile``).
@@ -220,6 +228,10 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         heads_per_program = max(h for h in (1, 2, 3, 4) if num_heads % h == 0)
     rotary_gqa_fwd = (not backward and rotary and group > 1 and element_size == 2 and block_size == 64
                       and block_d >= 128 and heads_per_program == 1)
+    # The rotary forward of two query heads a program (fp32 angles, 64-token blocks, D = 128): one stage, under a
+    # register cap (MAXNREG, which _forward_register_cap applies)
+    rotary_pair_fwd = (not backward and rotary and fp32_angles and group == 2 and element_size == 2
+                       and block_size == 64 and block_d == 128 and heads_per_program == 2 and not in_block_bits)
     return MappingProxyType({
         "BLOCK_D": block_d,
         "CHUNK": chunk,
@@ -230,11 +242,13 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                          else (2 if block_size == 64 else 1) if wide_rotary_group
                          else (1 if rotary else 2) if wide_block_group
                          else 2 if mha_rotary_heads and heads_per_program > 1
+                         else 1 if rotary_pair_fwd
                          else 4 if heads_per_program > 1 and not in_block_bits
                          and not (element_size == 2 and group <= 4 and block_d == 128 and not rotary) else 1),
         "HEADS_PER_PROGRAM": heads_per_program,
         "NUM_WARPS": (8 if (block_size == 128 and heads_per_program == 1) or wide
                       or rotary_gqa_fwd or (wide_rotary_group and block_size == 64) else 4),
+        "MAXNREG": 168 if rotary_pair_fwd else None,
     })
 
 
@@ -791,8 +805,8 @@ def _register_cap(maxnreg: int | None) -> dict:
 def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: int, rotate: int,
                           options: InBlock) -> int | None:
     """The forward's register cap, at 64-token blocks, 4 warps and one query head a program, without a rotary: 64
-    at D = 32 for 16-bit and fp8 inputs without an in-block option, 128 at D = 128 for 16-bit inputs with any; else
-    none.
+    at D = 32 for 16-bit and fp8 inputs without an in-block option, 128 at D = 128 for 16-bit inputs with any;
+    ``kernel_config``'s where it sets one; else none.
 
     At D = 32 the kernel takes 74 registers a thread (fp8, triton 3.6), which fit 6 programs an SM; 64 fit 8, whose
     loads keep more of the memory busy (H200, the sweep's lengths, 8 query heads, time over the floor, the compiler's
@@ -811,6 +825,8 @@ def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: in
     causal mask and both biases). At other shapes the cap lost or tied (`ads` lengths, H100, 04:05-04:14 UTC): the
     time bias at 16-token blocks (D 64) 1.607 against 1.323 ms, at 32-token blocks (D 128) 2.536 against 2.266, at
     64-token blocks and D 256 2.446 against 2.360; D 64 within 1%."""
+    if cfg["MAXNREG"] is not None:
+        return cfg["MAXNREG"]
     one_head = cfg["NUM_WARPS"] == 4 and cfg["HEADS_PER_PROGRAM"] == 1 and not rotate and block_size == 64
     if one_head and q.shape[-1] == 32 and q.element_size() <= 2 and not options.bits:
         return 64
