@@ -229,6 +229,26 @@ def test_time_buckets_exact_at_the_edges(timestamps_dtype, width, num_buckets):
             torch.testing.assert_close(got.double().cpu(), ref, atol=1e-5, rtol=1e-4)
 
 
+def test_non_finite_time_differences():
+    """Float timestamps whose difference is infinite (an inf timestamp, or two past fp32's range apart) put the pair
+    in the last bucket, and a NaN timestamp's pairs in bucket 0 (its difference counts as 0), in every backend as in
+    the reference (which indexed out of range there)."""
+    times = torch.tensor([0.0, 1.0, float("inf"), 5.0, float("nan"), -3e38, 3e38, float("-inf"), 2.0, 7.0, 1e6, 9.0])
+    n = times.numel()
+    offsets = make_offsets([n])
+    q, k, v, do, _ = random_inputs([n], 2, 2, 16, torch.float32, "cpu")
+    q = q * 0.01  # flat scores: the bias decides
+    time_bias = torch.randn(2, 6) * 3
+    options = InBlock(timestamps=times, time_bias=time_bias)
+    expected = reference_grads(q, k, v, do, offsets, 16, in_block=options)
+    for name in ("torch", "triton"):
+        device = "cpu" if name == "torch" or not HAS_GPU else "cuda"
+        moved = [t.to(device) for t in (q, k, v, do, offsets)]
+        opts = InBlock(timestamps=times.to(device), time_bias=time_bias.to(device))
+        for got, ref in zip(run_backend(name, *moved, 16, in_block=opts), expected):
+            torch.testing.assert_close(got.double().cpu(), ref, atol=1e-5, rtol=1e-4)
+
+
 def test_philox_twin_matches_triton():
     """The PyTorch Philox (the PyTorch path's and the tests' view of the mask) equals Triton's tl.philox."""
     import triton
@@ -465,7 +485,8 @@ def test_nested_with_timestamps():
     torch.testing.assert_close(out.values().double(), ref, atol=1e-5, rtol=1e-4)
 
 
-def test_compile_fullgraph_with_options_cpu():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_with_options_cpu(dynamic):
     q, k, v, _, offsets = random_inputs([9, 40], 2, 2, 16, torch.float32, "cpu")
     options = make_options("all", 2, 16, q.shape[0], "cpu")
     pos = options.pos_bias.requires_grad_()
@@ -475,7 +496,7 @@ def test_compile_fullgraph_with_options_cpu():
                                          timestamps=options.timestamps, time_bias=options.time_bias,
                                          dropout_p=0.2).sum(-1)
 
-    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic)
     torch.manual_seed(3)
     # Inductor draws random numbers its own way unless told to call eager's generator: the same seed then.
     with torch._inductor.config.patch(fallback_random=True):

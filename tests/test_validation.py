@@ -390,3 +390,69 @@ def test_block_layout_of_no_sequence_with_tokens():
     with pytest.raises(ValueError, match="offsets describes no sequence \\(B = 0\\) but num_tokens = 5; expected"):
         blockattn.block_layout(torch.zeros(1, dtype=torch.int64), 5)
     assert blockattn.block_layout(torch.zeros(1, dtype=torch.int64), 0).num_tokens == 0
+
+
+def test_strided_nested_tensors_are_refused_by_name():
+    """Nested tensors of the default strided layout (``torch.nested.nested_tensor`` without ``layout=torch.jagged``)
+    are refused naming the argument, wherever they are passed (their sizes raised deep in PyTorch)."""
+    q, k, v, o = good()
+    strided = torch.nested.nested_tensor([q[:4], q[4:]])
+    with pytest.raises(TypeError, match="k is a nested tensor of layout=torch.strided"):
+        blockattn.block_attention(q, strided, v, o)
+    with pytest.raises(TypeError, match="pos_bias is a nested tensor of layout=torch.strided"):
+        blockattn.block_attention(q, k, v, o, pos_bias=torch.nested.nested_tensor([torch.zeros(2, 127)] * 2))
+    with pytest.raises(TypeError, match="x is a nested tensor of layout=torch.strided"):
+        blockattn.apply_rotary(strided, torch.zeros(10, 32))
+    with pytest.raises(TypeError, match="x is a nested tensor of layout=torch.strided"):
+        blockattn.qkv_block_attention(torch.nested.nested_tensor([torch.zeros(4, 32), torch.zeros(6, 32)]),
+                                      torch.zeros(32, 64), o, num_heads=2, num_kv_heads=1)
+    with pytest.raises(ValueError, match="x, when nested, must be a torch.jagged tensor .* got layout torch.strided"):
+        BlockSelfAttention(64, 4)(torch.nested.nested_tensor([torch.zeros(4, 64), torch.zeros(6, 64)]))
+
+
+def test_ints_past_int64_are_refused():
+    _, _, _, o = good()
+    with pytest.raises(ValueError, match="num_tokens must be .* within int64, got 1180591620717411303424"):
+        blockattn.block_layout(o, 2**70)
+    with pytest.raises(ValueError, match="num_time_buckets must be a positive int within int64"):
+        blockattn.block_layout(o, 10, timestamps=torch.arange(10), num_time_buckets=2**63)
+
+
+def test_a_hand_built_layout_is_checked_field_by_field():
+    """A BlockLayout is a NamedTuple: one assembled by hand gets a TypeError/ValueError naming the bad field."""
+    from blockattn.block_table import BlockTable
+    q, k, v, o = good()
+    layout = blockattn.block_layout(o, 10, 16)
+    for bad, error, message in [
+        (layout._replace(table=None), TypeError, "the BlockLayout's table must be a BlockTable of two int32 tensors"),
+        (layout._replace(table=BlockTable(*(t.long() for t in layout.table))), TypeError, "BlockLayout's table"),
+        (layout._replace(table=BlockTable(*(t.to("meta") for t in layout.table))), TypeError, "BlockLayout's table"),
+        (layout._replace(offsets=[0, 4, 10]), TypeError, "the BlockLayout's offsets must be a torch.Tensor"),
+        (layout._replace(num_tokens="10"), TypeError, "the BlockLayout's num_tokens must be a non-negative int"),
+        (layout._replace(block_size=48), ValueError, "the BlockLayout's block_size must be one of"),
+        (layout._replace(timestamps=torch.arange(10), num_time_buckets=None), TypeError,
+         "the BlockLayout's num_time_buckets must be a positive int"),
+    ]:
+        with pytest.raises(error, match=message):
+            blockattn.block_attention(q, k, v, bad)
+
+
+def test_torch_func_derivatives_are_refused_and_vmap_runs():
+    """torch.func's differentiation transforms would return zero tangents (jvp) or fail deep in PyTorch (grad):
+    a NotImplementedError naming the function instead; vmap runs (PyTorch loops over the batch)."""
+    q, k, v, o = good()
+    q = q[:, :2]
+    sinu_pos = torch.randn(10, 32)
+    with pytest.raises(NotImplementedError, match="blockattn.block_attention does not support torch.func's deriv"):
+        torch.func.jvp(lambda q: blockattn.block_attention(q, k, v, o), (q,), (torch.ones_like(q),))
+    with pytest.raises(NotImplementedError, match="blockattn.block_attention does not support"):
+        torch.func.grad(lambda q: blockattn.block_attention(q, k, v, o).sum())(q)
+    with pytest.raises(NotImplementedError, match="blockattn.apply_rotary does not support"):
+        torch.func.jacrev(lambda x: blockattn.apply_rotary(x, sinu_pos))(q)
+    with pytest.raises(NotImplementedError, match="blockattn.flash_attention does not support"):
+        torch.func.vjp(lambda q: blockattn.flash_attention(q[None], q[None], q[None]), q)
+    x, w = torch.randn(10, 32), torch.randn(32, 64)
+    with pytest.raises(NotImplementedError, match="blockattn.qkv_block_attention does not support"):
+        torch.func.jvp(lambda x: blockattn.qkv_block_attention(x, w, o, num_heads=2, num_kv_heads=1), (x,), (x,))
+    batched = torch.func.vmap(lambda q: blockattn.block_attention(q, k, v, o))(torch.stack([q, 2 * q]))
+    torch.testing.assert_close(batched[1], blockattn.block_attention(2 * q, k, v, o))

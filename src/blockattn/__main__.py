@@ -457,9 +457,10 @@ def main(argv: list[str] | None = None) -> int:
         given = [flag(f) for f in ("preset", *CUSTOM_FLAGS) if getattr(args, f) is not None]
         given += (["--rotary"] * args.rotary + ["--dtype"] * (args.dtype is not None)
                   + ["--baselines"] * (args.baselines is not None) + ["--options"] * args.options
-                  + ["--latency"] * (args.dense and args.latency) + ["--sweep"] * args.sweep)
+                  + ["--latency"] * (args.dense and args.latency) + ["--sweep"] * args.sweep
+                  + ["--pass"] * (args.passes != "all"))
         if given:
-            args.usage_error(f"{mode} times its own shapes; it takes no {', '.join(given)}")
+            args.usage_error(f"{mode} times its own shapes and passes; it takes no {', '.join(given)}")
         return bench(args, [])
     if args.sweep:
         given = [flag(f) for f in ("preset", "seqs", "max_len", "sparsity", "heads") if getattr(args, f) is not None]

@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch import pyfunctorch
 
 from . import devices
 from .block_table import BlockLayout, BlockTable, max_blocks
@@ -121,6 +123,22 @@ def tensor(name: str, t, optional: bool = False) -> None:
         raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(t).__name__}")
     if t.layout not in (torch.strided, torch.jagged):
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout={t.layout}: pass {name}.to_dense()")
+    if t.is_nested and t.layout != torch.jagged:
+        raise TypeError(f"{name} is a nested tensor of layout={t.layout}: nested inputs must be torch.jagged "
+                        "(torch.nested.nested_tensor(..., layout=torch.jagged)), where they are taken at all")
+
+
+def no_func_derivatives(function: str) -> None:
+    """``torch.func``'s differentiation transforms: forward mode (``jvp``, ``jacfwd``, ``hessian``) takes the
+    library's custom ops for constants and would return zero tangents, reverse mode (``grad``, ``vjp``, ``jacrev``)
+    raises deep in PyTorch; a clear error instead (one C call where no transform is active). ``vmap`` runs."""
+    if torch._C._functorch.peek_interpreter_stack() is None or torch.compiler.is_compiling():
+        return
+    if any(i.key() in (TransformType.Jvp, TransformType.Grad)
+           for i in pyfunctorch.retrieve_all_functorch_interpreters()):
+        raise NotImplementedError(f"blockattn.{function} does not support torch.func's derivatives (grad, vjp, "
+                                  "jacrev, jvp, jacfwd, hessian): differentiate with torch.autograd (backward(), "
+                                  "torch.autograd.grad)")
 
 
 def contiguous_offsets(value):
@@ -156,6 +174,8 @@ def number(name: str, value, kinds: tuple[type, ...], what: str, valid: Callable
     value = plain(value)
     if not valid(value):
         raise ValueError(f"{name} must be {what}, got {value!r}")
+    if type(value) is int and not -2**63 <= value < 2**63:  # the ops' ints are int64
+        raise ValueError(f"{name} must be {what} within int64, got {value!r}")
     return value
 
 
@@ -372,15 +392,20 @@ def rotary_args(angles, rotate, q: torch.Tensor) -> None:
         sinu_pos(angles, q, "q", optional=True)
 
 
-@functools.lru_cache(maxsize=64)
-def _mask_of(names: tuple) -> int:
-    return rotate_mask(names)
+# rotate_bits' masks, by tuple of names (a dict: torch.compile warns on tracing an lru_cache)
+_MASKS: dict[tuple, int] = {}
 
 
 def rotate_bits(rotate, angles) -> int:
     """The ops' bit mask of a checked ``rotate`` (:func:`rotary_args`), cached per tuple of names; 0 without
     ``angles``: nothing is rotated then."""
-    return 0 if angles is None else _mask_of(tuple(rotate))
+    if angles is None:
+        return 0
+    names = tuple(rotate)
+    mask = _MASKS.get(names)
+    if mask is None:
+        mask = _MASKS[names] = rotate_mask(names)
+    return mask
 
 
 def projection(x, w, bias, num_heads, num_kv_heads) -> None:
@@ -570,8 +595,12 @@ def _timestamps(timestamps, n: int, device: torch.device, device_of: str) -> Non
         raise ValueError("timestamps requires grad, but no gradient flows to them: pass timestamps.detach()")
 
 
-def _bucket_width(time_bucket_width) -> float:
-    return number("time_bucket_width", time_bucket_width, REAL, f"a finite float >= {MIN_BUCKET_WIDTH}",
+# Built once: an f-string built on every call failed to trace under torch.compile(dynamic=True).
+_BUCKET_WIDTH = f"a finite float >= {MIN_BUCKET_WIDTH}"
+
+
+def _bucket_width(time_bucket_width, name: str = "time_bucket_width") -> float:
+    return number(name, time_bucket_width, REAL, _BUCKET_WIDTH,
            lambda x: _finite(x) and x >= MIN_BUCKET_WIDTH)
 
 
@@ -644,7 +673,7 @@ def in_block(causal, pos_bias, timestamps, time_bias, time_bucket_width, dropout
 
 def num_tokens(x) -> int | None:
     """``N`` of the inputs ``x [N, ...]``, or ``None`` for what is no such tensor (its own check says why)."""
-    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None
+    return x.shape[0] if isinstance(x, torch.Tensor) and not x.is_nested and x.dim() else None
 
 
 def block_structure(value, tokens: int | None, block_size_, block_size_of: str | None = None
@@ -655,6 +684,7 @@ def block_structure(value, tokens: int | None, block_size_, block_size_of: str |
     default; ``block_size_of`` names what set it where the caller did not pass it (a layer's, say)."""
     if not isinstance(value, BlockLayout):
         return contiguous_offsets(value), DEFAULT_BLOCK_SIZE if block_size_ is None else block_size_, None
+    _layout_fields(value)
     if tokens is not None and value.num_tokens != tokens:
         raise ValueError(f"offsets is a BlockLayout built for N = {value.num_tokens} tokens, but the inputs have N = "
                          f"{tokens}")
@@ -672,6 +702,23 @@ def block_structure(value, tokens: int | None, block_size_, block_size_of: str |
                          f"[{slots}] (as blockattn.block_layout builds it), got {list(value.table.block_cum.shape)} "
                          f"and {list(value.table.block_seq.shape)}")
     return contiguous_offsets(value.offsets), value.block_size, value.table
+
+
+def _layout_fields(value: BlockLayout) -> None:
+    """A :class:`BlockLayout`'s fields of the kinds :func:`blockattn.block_layout` gives them (a NamedTuple can be
+    assembled by hand): its offsets, sizes and table, and with timestamps its bucket count and width."""
+    offsets(value.offsets, name="the BlockLayout's offsets")
+    number("the BlockLayout's num_tokens", value.num_tokens, (*INT, torch.SymInt), "a non-negative int",
+           lambda n: n >= 0)
+    number("the BlockLayout's block_size", value.block_size, INT, f"one of {BLOCK_SIZES}", lambda n: n in BLOCK_SIZES)
+    table = value.table
+    if not (isinstance(table, BlockTable) and all(isinstance(t, torch.Tensor) and t.dtype == torch.int32
+                                                  and t.device == value.offsets.device for t in table)):
+        raise TypeError("the BlockLayout's table must be a BlockTable of two int32 tensors on the device of its "
+                        "offsets, as blockattn.block_layout builds it")
+    if value.timestamps is not None:
+        positive_int("the BlockLayout's num_time_buckets", value.num_time_buckets)
+        _bucket_width(value.time_bucket_width, "the BlockLayout's time_bucket_width")
 
 
 def layout(offsets_, num_tokens, block) -> tuple:

@@ -161,9 +161,11 @@ class BlockSelfAttention(nn.Module):
         if isinstance(x, torch.Tensor) and x.is_nested:
             if offsets is not None:
                 raise ValueError("offsets must be None when x is a nested tensor (its own offsets are used)")
-            if x.layout != torch.jagged or x.dim() != 3 or x._ragged_idx != 1:
-                raise ValueError(f"x, when nested, must be a torch.jagged tensor [B, j, d_model], got {x.shape} "
-                                 f"with layout {x.layout}")
+            if x.layout != torch.jagged:
+                raise ValueError(f"x, when nested, must be a torch.jagged tensor [B, j, d_model], got layout "
+                                 f"{x.layout}")
+            if x.dim() != 3 or x._ragged_idx != 1:
+                raise ValueError(f"x, when nested, must be a torch.jagged tensor [B, j, d_model], got {x.shape}")
             checks.without_holes("x", x)
             out = self.out(self.attend(x.values(), x.offsets()).flatten(1))
             return torch.nested.nested_tensor_from_jagged(out, x.offsets(), min_seqlen=x._maybe_min_seqlen,

@@ -82,17 +82,20 @@ PLAIN = InBlock()
 @functools.lru_cache(maxsize=64)
 def bucket_edges(num_buckets: int, width: float, device: torch.device) -> torch.Tensor:
     """``[num_buckets + 1]`` fp32: ``edges[k]``, the smallest fp32 ``>= exp(k * width)``, for ``k < num_buckets``;
-    ``edges[num_buckets] = inf`` (the last bucket has no upper edge). Computed on ``device``, no host copy; cached,
-    so a CUDA graph captured after the first call reads the same buffer."""
+    ``edges[num_buckets] = NaN``: the last bucket has no upper edge, and no ``|dt|`` compares at or above a NaN, an
+    infinite one included (with inf there, ``|dt| = inf`` landed one bucket past the last). Computed on ``device``, no
+    host copy; cached, so a CUDA graph captured after the first call reads the same buffer."""
     exact = torch.exp(torch.arange(num_buckets + 1, device=device, dtype=torch.float64) * width)
-    exact[-1] = float("inf")
     edges = exact.float()
-    return torch.where(edges.double() < exact, torch.nextafter(edges, edges.new_tensor(float("inf"))), edges)
+    edges = torch.where(edges.double() < exact, torch.nextafter(edges, edges.new_tensor(float("inf"))), edges)
+    edges[-1] = float("nan")
+    return edges
 
 
 def time_buckets(dt_abs: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """Buckets of fp32 ``|dt|`` values: the number of ``edges[1 : B]`` at or below each."""
-    return torch.searchsorted(edges[1:-1].contiguous(), dt_abs.float().contiguous(), right=True)
+    """Buckets of fp32 ``|dt|`` values: the number of ``edges[1 : B]`` at or below each; a NaN counts as 0, as in the
+    kernels (their ``max(dt, 1)`` is 1 for a NaN)."""
+    return torch.searchsorted(edges[1:-1].contiguous(), dt_abs.float().nan_to_num(nan=0.0).contiguous(), right=True)
 
 
 def abs_time_deltas(t_query: torch.Tensor, t_key: torch.Tensor) -> torch.Tensor:
@@ -234,7 +237,8 @@ def summed_bias_grads(options: InBlock, partials: tuple[torch.Tensor, torch.Tens
 def _bucket(dt, edges_ptr, num_buckets, bucket_scale, INLINE_ASM: tl.constexpr):
     """The bucket of each fp32 ``|dt|``: ``g = floor(log2(max(dt, 1)) * bucket_scale - 0.5)`` (at most
     ``num_buckets - 1``) is the bucket or the one below, since the log2 is off by far less than half a bucket (even at
-    MIN_BUCKET_WIDTH); ``dt >= edges[g + 1]`` settles which (``edges[k] > 1`` from ``k = 1``; the last is inf)."""
+    MIN_BUCKET_WIDTH); ``dt >= edges[g + 1]`` settles which (``edges[k] > 1`` from ``k = 1``; the last is NaN, which
+    nothing reaches). An infinite ``dt`` is in the last bucket, a NaN one in bucket 0."""
     if INLINE_ASM:
         # In one PTX block where PTX may be inlined: lg2.approx (one special-function instruction, absolute error
         # under 2**-22; Triton's log2 is a polynomial of 15), a conversion that saturates (dt < 1 and -inf give 0)
@@ -259,7 +263,10 @@ def _bucket(dt, edges_ptr, num_buckets, bucket_scale, INLINE_ASM: tl.constexpr):
             "=r,f,f,r,l", [dt, bucket_scale, num_buckets - 1, edges_ptr.to(tl.int64, bitcast=True)],
             dtype=tl.int32, is_pure=True, pack=1)
     else:
-        guess = tl.minimum((tl.log2(tl.maximum(dt, 1.0)) * bucket_scale - 0.5).to(tl.int32), num_buckets - 1)
+        # Bounded before the conversion and NaN taken as 1 by the select: a float's conversion to int past its range
+        # (or of a NaN) differs between devices and Triton's interpreter.
+        estimate = tl.log2(tl.where(dt >= 1.0, dt, 1.0)) * bucket_scale - 0.5
+        guess = tl.minimum(estimate, num_buckets - 1.0).to(tl.int32)
         bucket = guess + (dt >= tl.load(edges_ptr + guess + 1)).to(tl.int32)
     return bucket
 
