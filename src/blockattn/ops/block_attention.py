@@ -155,9 +155,10 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     in-block option) runs its pair of heads in one stage under a cap of 168 registers (``MAXNREG``):
     98 KiB of shared memory and 250 registers held it to two programs an SM, three now. H200, the sweep's lengths,
     8 query heads, over the floor (2026-11-29, a `.gpu` script on this launcher's overrides, 03:10 UTC): 1.53x ->
-    1.43x (two stages capped 1.50x; 128 registers 2.23-2.45x). At 8:2 and 8:1 every cap lost (8:2 1.41x -> 1.53x
-    in one stage or two, 8:1 1.37x -> 1.55-1.61x; bf16 angles at 8:2 1.43x -> 1.55-1.61x), and so it did without
-    GQA (four heads a program, 1.26x -> 1.58-1.78x). Not measured with bf16 angles at 8:4, nor on an H100.
+    1.43x (two stages capped 1.50x; 128 registers 2.23-2.45x; 03:46 UTC, two rounds: 1.53x -> 1.43x again). With
+    bf16 angles it lost (8:4 1.52x -> 1.61-1.62x, two stages capped a tie), and at 8:2 and 8:1 every cap lost (8:2
+    1.41x -> 1.53x in one stage or two, 8:1 1.37x -> 1.55-1.61x; bf16 angles at 8:2 1.43x -> 1.55-1.61x), and so it
+    did without GQA (four heads a program, 1.26x -> 1.58-1.78x). Not measured on an H100.
 
     The 16-bit forward with a fused rotary under GQA past D = 128 (16-, 32- and 64-token blocks, no in-block option)
     takes whole rows and the group in one program too, on k, v and the angles loaded and turned once: 8 warps and
