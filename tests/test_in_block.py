@@ -229,16 +229,18 @@ def test_time_buckets_exact_at_the_edges(timestamps_dtype, width, num_buckets):
             torch.testing.assert_close(got.double().cpu(), ref, atol=1e-5, rtol=1e-4)
 
 
-def test_non_finite_time_differences():
+@pytest.mark.parametrize("num_buckets", [6, 400])
+def test_non_finite_time_differences(num_buckets):
     """Float timestamps whose difference is infinite (an inf timestamp, or two past fp32's range apart) put the pair
     in the last bucket, and a NaN timestamp's pairs in bucket 0 (its difference counts as 0), in every backend as in
-    the reference (which indexed out of range there)."""
+    the reference (which indexed out of range there); with 400 buckets of the default width the last edges pass
+    fp32's range."""
     times = torch.tensor([0.0, 1.0, float("inf"), 5.0, float("nan"), -3e38, 3e38, float("-inf"), 2.0, 7.0, 1e6, 9.0])
     n = times.numel()
     offsets = make_offsets([n])
     q, k, v, do, _ = random_inputs([n], 2, 2, 16, torch.float32, "cpu")
     q = q * 0.01  # flat scores: the bias decides
-    time_bias = torch.randn(2, 6) * 3
+    time_bias = torch.randn(2, num_buckets) * 3
     options = InBlock(timestamps=times, time_bias=time_bias)
     expected = reference_grads(q, k, v, do, offsets, 16, in_block=options)
     for name in ("torch", "triton"):

@@ -172,7 +172,8 @@ def block_attention(
                                 time_bias, time_bucket_width, dropout_p, out_dtype, q_descale, k_descale, v_descale,
                                 out_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    inputs = (q, k, v, offsets, sinu_pos, checks.plain(block_size), scale, checks.rotate_bits(rotate, sinu_pos), causal, pos_bias,
+    block_size = checks.plain(block_size)
+    inputs = (q, k, v, offsets, sinu_pos, block_size, scale, checks.rotate_bits(rotate, sinu_pos), causal, pos_bias,
               timestamps, time_bias, float(time_bucket_width), float(dropout_p), _dropout_seed(dropout_p, q.device),
               *_table_args(table), q_descale, k_descale, v_descale, out_scale, fp8.out_dtype_of(q.dtype, out_dtype),
               time_buckets)

@@ -600,8 +600,7 @@ _BUCKET_WIDTH = f"a finite float >= {MIN_BUCKET_WIDTH}"
 
 
 def _bucket_width(time_bucket_width, name: str = "time_bucket_width") -> float:
-    return number(name, time_bucket_width, REAL, _BUCKET_WIDTH,
-           lambda x: _finite(x) and x >= MIN_BUCKET_WIDTH)
+    return number(name, time_bucket_width, REAL, _BUCKET_WIDTH, lambda x: _finite(x) and x >= MIN_BUCKET_WIDTH)
 
 
 def layout_times(timestamps, num_time_buckets, time_bucket_width, offsets_: torch.Tensor,
@@ -725,7 +724,7 @@ def layout(offsets_, num_tokens, block) -> tuple:
     """The arguments of :func:`blockattn.block_layout`; returns ``(num_tokens, block_size)`` as the ops take them."""
     offsets(offsets_)
     num_tokens = number("num_tokens", num_tokens, (*INT, torch.SymInt), "a non-negative int (the N of the inputs)",
-           lambda n: n >= 0)
+                        lambda n: n >= 0)
     some_sequence(offsets_, num_tokens, "num_tokens")
     return num_tokens, block_size(block)
 

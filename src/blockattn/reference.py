@@ -74,7 +74,7 @@ def _time_bucket(times: torch.Tensor, num_buckets: int, width: float) -> torch.T
         dt = (times.float()[None, :] - times.float()[:, None]).abs()
     else:
         dt = (times.long()[None, :] - times.long()[:, None]).abs().float()
-    dt = dt.double().nan_to_num(nan=0.0)  # a NaN difference counts as 0; an infinite one is in the last bucket
+    dt = dt.double().masked_fill(dt.isnan(), 0.0)  # a NaN difference counts as 0; an infinite one: the last bucket
     return torch.floor(torch.log(dt.clamp(min=1.0)) / width).clamp(max=num_buckets - 1).long()
 
 
