@@ -1,6 +1,6 @@
 """What the forward's bytes alone cost: a Triton kernel that moves exactly the bytes of the block-attention forward
 (per 64-row tile and kv head, k and v loaded once; for each query head of the group, q loaded and ``o = q + k + v``
-stored; optionally the fp32 angles ``[N, D]`` read once) on the sweep's workloads (``python -m blockattn bench
+stored; optionally the fp32 angles ``[N, D]`` read once a kv head) on the sweep's workloads (``python -m blockattn bench
 --sweep``: 8 query heads, sequences of 800-2000 tokens), as a multiple of the sweep's memory floor in the same
 process. It bounds what an attention kernel of the same loads can reach: where it runs at the floor, the attention
 kernel's excess over it is its own (its products, softmax and stores), not the access pattern's.

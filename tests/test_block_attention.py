@@ -483,15 +483,21 @@ def test_forward_heads_per_program_with_fp32_angles_without_gqa():
 def test_forward_rotary_pair_of_heads_runs_one_stage_under_a_cap():
     """Under GQA of two query heads a kv head, the 16-bit rotary forward with fp32 angles at 64-token blocks and
     D = 128 (no in-block option) runs its pair of heads in one stage under a cap of 168 registers (measured faster on
-    an H200); elsewhere no cap of this rule. The rule's launch gives the output of the uncapped four-stage one."""
+    an H200); elsewhere no cap of this rule, 16- and 32-token blocks in 64-row tiles included (not measured). The
+    rule's launch gives the output of the uncapped four-stage one."""
     def rule(**changes):
         args = {"rotary": True, "fp32_angles": True, "group": 2, "element_size": 2, "in_block_bits": 0,
                 "head_dim": 128, "block_size": 64} | changes
-        cfg = triton_ops.kernel_config(args.pop("block_size"), args.pop("head_dim"), backward=False, **args)
+        block_size = args.pop("block_size")
+        blocks = tiles.blocks_per_tile(block_size, args["head_dim"], args["group"], args["rotary"],
+                                       args["in_block_bits"], backward=False)
+        cfg = triton_ops.kernel_config(block_size * blocks, args.pop("head_dim"), backward=False, blocks=blocks,
+                                       **args)
         return cfg["HEADS_PER_PROGRAM"], cfg["GROUP_STAGES"], cfg["MAXNREG"]
     assert rule() == (2, 1, 168)
     for other in ({"fp32_angles": False}, {"group": 4}, {"group": 1}, {"head_dim": 64}, {"block_size": 32},
-                  {"element_size": 1}, {"in_block_bits": in_block.CAUSAL.value}, {"rotary": False}):
+                  {"block_size": 16}, {"element_size": 1}, {"in_block_bits": in_block.CAUSAL.value},
+                  {"rotary": False}):
         assert rule(**other)[2] is None, other
 
     q, k, v, _, offsets = random_inputs(odd_lengths(64), 4, 2, 128, torch.float16, KERNEL_DEVICE)
@@ -631,6 +637,19 @@ def test_opcheck_custom_ops():
                           (do, q, k, v, offsets, None, *table, 16, 0.25, 0))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.blockattn.block_attention_fwd.default, (q, k, v, offsets, None, 16, 0.25, 0))
+
+
+def test_compile_once_with_a_rotate_tuple_seen_first_while_tracing():
+    """rotate's masks are looked up, never written, while torch.compile traces: a compiled call with a rotary runs
+    again without compiling again (a cache filled during the trace guarded on its own contents)."""
+    q = torch.randn(10, 2, 16)
+    offsets = torch.tensor([0, 4, 10])
+    sinu_pos = torch.randn(10, 16)
+    compiled = torch.compile(lambda q: blockattn.block_attention(q, q, q, offsets, block_size=16, sinu_pos=sinu_pos,
+                                                                 rotate=("v", "q")), fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            compiled(q)
 
 
 def test_compile_fullgraph_cpu():

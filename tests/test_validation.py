@@ -456,3 +456,9 @@ def test_torch_func_derivatives_are_refused_and_vmap_runs():
         torch.func.jvp(lambda x: blockattn.qkv_block_attention(x, w, o, num_heads=2, num_kv_heads=1), (x,), (x,))
     batched = torch.func.vmap(lambda q: blockattn.block_attention(q, k, v, o))(torch.stack([q, 2 * q]))
     torch.testing.assert_close(batched[1], blockattn.block_attention(2 * q, k, v, o))
+    # A frozen attention inside a gradient taken through something else is no derivative of it: it runs.
+    weight = torch.tensor(2.0)
+    frozen = torch.func.grad(lambda w: (blockattn.block_attention(q, k, v, o) * w).sum())(weight)
+    torch.testing.assert_close(frozen, blockattn.block_attention(q, k, v, o).sum())
+    with pytest.raises(NotImplementedError, match="blockattn.block_attention does not support"):
+        torch.func.vmap(torch.func.grad(lambda q: blockattn.block_attention(q, k, v, o).sum()))(torch.stack([q, q]))

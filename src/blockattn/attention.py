@@ -153,7 +153,7 @@ def block_attention(
     key, replay = _BLOCK_ATTENTION_CALLS.lookup(args)
     if replay is not None:
         return replay(args)
-    checks.no_func_derivatives("block_attention")
+    checks.no_func_derivatives("block_attention", q, k, v, sinu_pos, pos_bias, time_bias)
     nested = isinstance(q, torch.Tensor) and q.is_nested
     if nested:
         if offsets is not None:
@@ -244,7 +244,7 @@ def qkv_block_attention(
     key, replay = _QKV_BLOCK_ATTENTION_CALLS.lookup(args)
     if replay is not None:  # not fp8: its q, k, v are no arguments, so such a call is never learned
         return replay((*args, _projection(x, w, bias)))
-    checks.no_func_derivatives("qkv_block_attention")
+    checks.no_func_derivatives("qkv_block_attention", x, w, bias, sinu_pos, pos_bias, time_bias)
     layout = offsets
     offsets, block_size, table = checks.block_structure(offsets, checks.num_tokens(x), block_size)
     timestamps, time_bucket_width, time_buckets = checks.layout_time_bias(layout, timestamps, time_bias,

@@ -13,14 +13,14 @@ the checks cost more host time than the kernels of a small batch.
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
-from torch._C._functorch import TransformType
-from torch._functorch import pyfunctorch
+from torch._C import _functorch as functorch
 
 from . import devices
 from .block_table import BlockLayout, BlockTable, max_blocks
@@ -128,17 +128,23 @@ def tensor(name: str, t, optional: bool = False) -> None:
                         "(torch.nested.nested_tensor(..., layout=torch.jagged)), where they are taken at all")
 
 
-def no_func_derivatives(function: str) -> None:
-    """``torch.func``'s differentiation transforms: forward mode (``jvp``, ``jacfwd``, ``hessian``) takes the
-    library's custom ops for constants and would return zero tangents, reverse mode (``grad``, ``vjp``, ``jacrev``)
-    raises deep in PyTorch; a clear error instead (one C call where no transform is active). ``vmap`` runs."""
-    if torch._C._functorch.peek_interpreter_stack() is None or torch.compiler.is_compiling():
+def no_func_derivatives(function: str, *tensors) -> None:
+    """``torch.func``'s differentiation transforms on a call's ``tensors``: forward mode (``jvp``, ``jacfwd``,
+    ``hessian``) takes the library's custom ops for constants and would return zero tangents, reverse mode
+    (``grad``, ``vjp``, ``jacrev``) raises deep in PyTorch; a clear error instead. A call whose tensors no transform
+    differentiates (a frozen attention inside a gradient taken through other inputs), or that ``vmap`` batches,
+    runs; where no transform is active this costs one C call."""
+    if functorch.peek_interpreter_stack() is None or torch.compiler.is_compiling():
         return
-    if any(i.key() in (TransformType.Jvp, TransformType.Grad)
-           for i in pyfunctorch.retrieve_all_functorch_interpreters()):
-        raise NotImplementedError(f"blockattn.{function} does not support torch.func's derivatives (grad, vjp, "
-                                  "jacrev, jvp, jacfwd, hessian): differentiate with torch.autograd (backward(), "
-                                  "torch.autograd.grad)")
+    for t in tensors:
+        while isinstance(t, torch.Tensor):  # through vmap's batching wrappers to a grad or jvp level's
+            if functorch.is_gradtrackingtensor(t):
+                raise NotImplementedError(f"blockattn.{function} does not support torch.func's derivatives (grad, "
+                                          "vjp, jacrev, jvp, jacfwd, hessian): differentiate with torch.autograd "
+                                          "(backward(), torch.autograd.grad)")
+            if not functorch.is_batchedtensor(t):
+                break
+            t = functorch.get_unwrapped(t)
 
 
 def contiguous_offsets(value):
@@ -392,20 +398,16 @@ def rotary_args(angles, rotate, q: torch.Tensor) -> None:
         sinu_pos(angles, q, "q", optional=True)
 
 
-# rotate_bits' masks, by tuple of names (a dict: torch.compile warns on tracing an lru_cache)
-_MASKS: dict[tuple, int] = {}
+# rotate_bits' masks of every tuple of distinct names, filled once: only read afterwards (torch.compile warns on
+# tracing an lru_cache, and a dict written while it traces makes it compile the function again)
+_MASKS = {names: rotate_mask(names) for count in range(len(ROTATE_BITS) + 1)
+          for names in itertools.permutations(ROTATE_BITS, count)}
 
 
 def rotate_bits(rotate, angles) -> int:
-    """The ops' bit mask of a checked ``rotate`` (:func:`rotary_args`), cached per tuple of names; 0 without
-    ``angles``: nothing is rotated then."""
-    if angles is None:
-        return 0
-    names = tuple(rotate)
-    mask = _MASKS.get(names)
-    if mask is None:
-        mask = _MASKS[names] = rotate_mask(names)
-    return mask
+    """The ops' bit mask of a checked ``rotate`` (:func:`rotary_args`); 0 without ``angles``: nothing is rotated
+    then."""
+    return 0 if angles is None else _MASKS[tuple(rotate)]
 
 
 def projection(x, w, bias, num_heads, num_kv_heads) -> None:
@@ -705,19 +707,27 @@ def block_structure(value, tokens: int | None, block_size_, block_size_of: str |
 
 def _layout_fields(value: BlockLayout) -> None:
     """A :class:`BlockLayout`'s fields of the kinds :func:`blockattn.block_layout` gives them (a NamedTuple can be
-    assembled by hand): its offsets, sizes and table, and with timestamps its bucket count and width."""
-    offsets(value.offsets, name="the BlockLayout's offsets")
-    number("the BlockLayout's num_tokens", value.num_tokens, (*INT, torch.SymInt), "a non-negative int",
-           lambda n: n >= 0)
-    number("the BlockLayout's block_size", value.block_size, INT, f"one of {BLOCK_SIZES}", lambda n: n in BLOCK_SIZES)
+    assembled by hand): :func:`_layout_field_values`, once per signature of the fields."""
     table = value.table
-    if not (isinstance(table, BlockTable) and all(isinstance(t, torch.Tensor) and t.dtype == torch.int32
-                                                  and t.device == value.offsets.device for t in table)):
+    block_cum, block_seq = table if isinstance(table, BlockTable) else (None, None)
+    _layout_field_values(value.offsets, value.num_tokens, value.block_size, type(table), block_cum, block_seq,
+                         value.timestamps, value.num_time_buckets, value.time_bucket_width)
+
+
+@once_per_signature
+def _layout_field_values(offsets_, num_tokens_, block_size_, table_type, block_cum, block_seq, timestamps,
+                         num_time_buckets, time_bucket_width) -> None:
+    """A layout's offsets, sizes and table (its type and tensors), and with timestamps its bucket count and width."""
+    offsets(offsets_, name="the BlockLayout's offsets")
+    number("the BlockLayout's num_tokens", num_tokens_, (*INT, torch.SymInt), "a non-negative int", lambda n: n >= 0)
+    number("the BlockLayout's block_size", block_size_, INT, f"one of {BLOCK_SIZES}", lambda n: n in BLOCK_SIZES)
+    if table_type is not BlockTable or not all(isinstance(t, torch.Tensor) and t.dtype == torch.int32
+                                               and t.device == offsets_.device for t in (block_cum, block_seq)):
         raise TypeError("the BlockLayout's table must be a BlockTable of two int32 tensors on the device of its "
                         "offsets, as blockattn.block_layout builds it")
-    if value.timestamps is not None:
-        positive_int("the BlockLayout's num_time_buckets", value.num_time_buckets)
-        _bucket_width(value.time_bucket_width, "the BlockLayout's time_bucket_width")
+    if timestamps is not None:
+        positive_int("the BlockLayout's num_time_buckets", num_time_buckets)
+        _bucket_width(time_bucket_width, "the BlockLayout's time_bucket_width")
 
 
 def layout(offsets_, num_tokens, block) -> tuple:

@@ -51,7 +51,7 @@ def _attend(q, k, v, cu_seqlens, max_seqlens, *, causal, causal_alignment, scale
     if replay is not None:
         out, lse = replay(args)
     else:
-        checks.no_func_derivatives("flash_attention" if cu_seqlens[0] is None else "flash_attention_varlen")
+        checks.no_func_derivatives("flash_attention" if cu_seqlens[0] is None else "flash_attention_varlen", q, k, v)
         cu_seqlens = tuple(map(checks.contiguous_offsets, cu_seqlens))
         checks.flash_call(q, k, v, *cu_seqlens, *max_seqlens, causal, causal_alignment, scale, return_lse, out_dtype,
                           q_descale, k_descale, v_descale, variant)

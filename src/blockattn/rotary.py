@@ -22,6 +22,6 @@ def apply_rotary(x: torch.Tensor, sinu_pos: torch.Tensor) -> torch.Tensor:
     ``D`` must be even, at most 512; ``sinu_pos`` may be float16, bfloat16 or float32 (float64 on the CPU).
     To fuse the rotation into attention instead, pass ``sinu_pos`` to :func:`blockattn.block_attention`.
     """
-    checks.no_func_derivatives("apply_rotary")
+    checks.no_func_derivatives("apply_rotary", x, sinu_pos)
     checks.rotary_input(x, sinu_pos)
     return custom_ops.rotary(x, sinu_pos, False)

@@ -92,9 +92,10 @@ def min_chunk(rotary: bool) -> int:
 @functools.cache  # read-only: one mapping per shape, computed once (launches are host-bound on small batches)
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
                   rotary: bool = False, persistent: bool = True, in_block_bits: int = 0, num_heads: int = 1,
-                  fp32_angles: bool = False) -> MappingProxyType:
+                  fp32_angles: bool = False, blocks: int = 1) -> MappingProxyType:
     """Compile-time shape and launch of a kernel, by a rule measured on an H100 (the 4-warp default and the MHA
-    persistent kernel also on an H200; docs/benchmarks.md).
+    persistent kernel also on an H200; docs/benchmarks.md). ``block_size`` is a program's tile of rows, ``blocks``
+    the blocks in it (16- and 32-token blocks run four or two to a 64-row tile: ``tiles.blocks_per_tile``).
 
     Head-dim slices of at most 64 x 128 elements in the forward; 64 x 64 for 16-bit inputs without GQA or a rotary at
     64-token blocks and D = 128 with two or more of the options that add work to the score tile (``in_block_bits``:
@@ -152,7 +153,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     8:1) it stays a program per query head.
 
     Under GQA of two query heads a kv head, the rotary forward with fp32 angles at 64-token blocks and D = 128 (no
-    in-block option) runs its pair of heads in one stage under a cap of 168 registers (``MAXNREG``):
+    in-block option; one block a tile: 16- and 32-token blocks were not measured) runs its pair of heads in one stage
+    under a cap of 168 registers (``MAXNREG``):
     98 KiB of shared memory and 250 registers held it to two programs an SM, three now. H200, the sweep's lengths,
     8 query heads, over the floor (2026-11-29, a `.gpu` script on this launcher's overrides, 03:10 UTC): 1.53x ->
     1.43x (two stages capped 1.50x; 128 registers 2.23-2.45x; 03:46 UTC, two rounds: 1.53x -> 1.43x again). With
@@ -232,7 +234,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     # The rotary forward of two query heads a program (fp32 angles, 64-token blocks, D = 128): one stage, under a
     # register cap (MAXNREG, which _forward_register_cap applies)
     rotary_pair_fwd = (not backward and rotary and fp32_angles and group == 2 and element_size == 2
-                       and block_size == 64 and block_d == 128 and heads_per_program == 2 and not in_block_bits)
+                       and block_size == 64 and blocks == 1 and block_d == 128 and heads_per_program == 2
+                       and not in_block_bits)
     return MappingProxyType({
         "BLOCK_D": block_d,
         "CHUNK": chunk,
@@ -932,7 +935,7 @@ def block_attention_fwd_triton(
     tile = block_size * blocks
     cfg = kernel_config(tile, d, backward=False, group=group, element_size=q.element_size(),
                         rotary=bool(rotate), in_block_bits=options.bits, num_heads=hq,
-                        fp32_angles=rotate != 0 and sinu_pos.dtype == torch.float32)
+                        fp32_angles=rotate != 0 and sinu_pos.dtype == torch.float32, blocks=blocks)
     fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
     if fp8_dot and not fp8_qk_possible:
         raise ValueError("fp8_dot needs fp8 inputs, no rotary and head-dim slices at least 32 wide")

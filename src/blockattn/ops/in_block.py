@@ -93,8 +93,8 @@ def bucket_edges(num_buckets: int, width: float, device: torch.device) -> torch.
 
 
 def time_buckets(dt_abs: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """Buckets of fp32 ``|dt|`` values: the number of ``edges[1 : B]`` at or below each; a NaN counts as 0, as in the
-    kernels (their ``max(dt, 1)`` is 1 for a NaN)."""
+    """Buckets of fp32 ``|dt|`` values: the number of ``edges[1 : B]`` at or below each; a NaN counts as 0, bucket 0,
+    as in the kernels (:func:`_bucket`)."""
     dt_abs = dt_abs.float()
     return torch.searchsorted(edges[1:-1].contiguous(), dt_abs.masked_fill(dt_abs.isnan(), 0.0).contiguous(),
                               right=True)
