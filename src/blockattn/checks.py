@@ -208,8 +208,13 @@ def head_dim(d, source: str = "") -> None:
         raise ValueError(f"head_dim{source} must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
 
 
-def block_size(value) -> int:
-    return number("block_size", value, INT, f"one of {BLOCK_SIZES}", lambda n: n in BLOCK_SIZES)
+def block_size(value, name: str = "block_size") -> int:
+    return number(name, value, INT, f"one of {BLOCK_SIZES}", lambda n: n in BLOCK_SIZES)
+
+
+def token_count(name: str, value):
+    """A number of tokens ``N``: an int (a SymInt where torch.compile traces shapes), at least 0."""
+    return number(name, value, (*INT, torch.SymInt), "a non-negative int (the N of the inputs)", lambda n: n >= 0)
 
 
 def finite_positive(name: str, value, optional: bool = False) -> float | None:
@@ -719,8 +724,8 @@ def _layout_field_values(offsets_, num_tokens_, block_size_, table_type, block_c
                          num_time_buckets, time_bucket_width) -> None:
     """A layout's offsets, sizes and table (its type and tensors), and with timestamps its bucket count and width."""
     offsets(offsets_, name="the BlockLayout's offsets")
-    number("the BlockLayout's num_tokens", num_tokens_, (*INT, torch.SymInt), "a non-negative int", lambda n: n >= 0)
-    number("the BlockLayout's block_size", block_size_, INT, f"one of {BLOCK_SIZES}", lambda n: n in BLOCK_SIZES)
+    token_count("the BlockLayout's num_tokens", num_tokens_)
+    block_size(block_size_, "the BlockLayout's block_size")
     if table_type is not BlockTable or not all(isinstance(t, torch.Tensor) and t.dtype == torch.int32
                                                and t.device == offsets_.device for t in (block_cum, block_seq)):
         raise TypeError("the BlockLayout's table must be a BlockTable of two int32 tensors on the device of its "
@@ -733,8 +738,7 @@ def _layout_field_values(offsets_, num_tokens_, block_size_, table_type, block_c
 def layout(offsets_, num_tokens, block) -> tuple:
     """The arguments of :func:`blockattn.block_layout`; returns ``(num_tokens, block_size)`` as the ops take them."""
     offsets(offsets_)
-    num_tokens = number("num_tokens", num_tokens, (*INT, torch.SymInt), "a non-negative int (the N of the inputs)",
-                        lambda n: n >= 0)
+    num_tokens = token_count("num_tokens", num_tokens)
     some_sequence(offsets_, num_tokens, "num_tokens")
     return num_tokens, block_size(block)
 
