@@ -424,20 +424,22 @@ def test_forward_heads_per_program_override(dtype):
     for bad in (3, 4):
         with pytest.raises(ValueError, match="heads_per_program must be 1, or where one head-dim slice"):
             forward(heads_per_program=bad)
-    # Without GQA, with a rotary: any divisor of the heads, each with its own k and v, on angles read once.
+    # Without GQA: any divisor of the heads, each with its own k and v (with a rotary on angles read once).
     mha = random_inputs(odd_lengths(16), 4, 4, 64, dtype, KERNEL_DEVICE)
     q, k, v, _, offsets = mha
     table = build_block_table(offsets, q.shape[0], 16)
 
-    def mha_forward(**override):
-        return triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 16, 0.125, angles, ROTATE_ALL,
+    def mha_forward(sinu_pos=angles, rotate=ROTATE_ALL, **override):
+        return triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 16, 0.125, sinu_pos, rotate,
                                                      **override)
-    for heads in (2, 4):
-        torch.testing.assert_close(mha_forward(heads_per_program=heads, group_stages=2), mha_forward(), **close)
+    for heads, stages in ((2, 2), (4, 1), (4, 4)):
+        torch.testing.assert_close(mha_forward(heads_per_program=heads, group_stages=stages), mha_forward(), **close)
+        torch.testing.assert_close(mha_forward(None, 0, heads_per_program=heads, group_stages=stages),
+                                   mha_forward(None, 0, heads_per_program=1))
     with pytest.raises(ValueError, match="a divisor of the 4 heads, got 3"):
         mha_forward(heads_per_program=3)
-    with pytest.raises(ValueError, match="heads_per_program"):  # without a rotary: not taken
-        triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 16, 0.125, None, 0, heads_per_program=2)
+    with pytest.raises(ValueError, match="a divisor of the 4 heads, got 3"):
+        mha_forward(None, 0, heads_per_program=3)
     assert triton_ops.kernel_config(128, 128, backward=False, group=2)["NUM_CHUNKS"] > 1
     with pytest.raises(ValueError, match="heads_per_program"):
         forward(head_dim=128, block_size=128, heads_per_program=2)
@@ -478,6 +480,37 @@ def test_forward_heads_per_program_with_fp32_angles_without_gqa():
     torch.testing.assert_close(*(triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 128, 0.125, angles,
                                                                        ROTATE_ALL, heads_per_program=heads)
                                  for heads in (None, 1)), atol=1e-3, rtol=1e-3)
+
+
+def test_forward_heads_per_program_without_gqa_on_small_tiles():
+    """The plain forward without GQA runs up to 4 query heads a program four stages deep at 16- and 32-token blocks
+    (D = 32 to 128) and at 64-token blocks with D = 32 (fp8 also D = 64), up to 8 at 16-token blocks with D = 32
+    and for fp8 at 16- and 32-token blocks (measured faster on an H200); elsewhere one. The rule's launch gives the
+    output of one head a program, on odd lengths."""
+    def rule(**changes):
+        args = {"num_heads": 8, "element_size": 2, "head_dim": 64, "block_size": 32} | changes
+        cfg = triton_ops.kernel_config(args.pop("block_size"), args.pop("head_dim"), backward=False, **args)
+        return cfg["HEADS_PER_PROGRAM"], cfg["GROUP_STAGES"], cfg["NUM_WARPS"]
+    assert rule() == rule(block_size=16) == rule(head_dim=128) == rule(block_size=64, head_dim=32) == (4, 4, 4)
+    assert rule(head_dim=40) == rule(head_dim=24) == (4, 4, 4)  # padded to 64 and 32
+    assert rule(block_size=16, head_dim=32) == (8, 4, 4) and rule(block_size=16, head_dim=32, num_heads=12)[0] == 6
+    assert rule(num_heads=6)[0] == 3 and rule(num_heads=2)[0] == 2 and rule(num_heads=1)[0] == 1
+    assert rule(num_heads=5) == (1, 1, 4)
+    assert rule(element_size=1) == rule(element_size=1, block_size=16, head_dim=128) == (8, 4, 4)
+    assert rule(element_size=1, block_size=64) == (4, 4, 4) and rule(element_size=1, block_size=64, head_dim=128)[0] == 1
+    for other in ({"block_size": 64}, {"block_size": 128, "head_dim": 32}, {"head_dim": 256}, {"head_dim": 16},
+                  {"element_size": 4}, {"in_block_bits": in_block.CAUSAL.value}, {"group": 2}, {"rotary": True}):
+        assert rule(**other)[:2] != (4, 4), other
+
+    for block_size, head_dim, heads in ((16, 32, 8), (32, 64, 6), (64, 32, 4)):
+        q, k, v, _, offsets = random_inputs(odd_lengths(block_size), heads, heads, head_dim, torch.float16,
+                                            KERNEL_DEVICE)
+        table = build_block_table(offsets, q.shape[0], block_size)
+        assert triton_ops.kernel_config(block_size, head_dim, backward=False, num_heads=heads)[
+            "HEADS_PER_PROGRAM"] > 1
+        torch.testing.assert_close(*(triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, block_size,
+                                                                           0.125, None, 0, heads_per_program=per)
+                                     for per in (None, 1)))
 
 
 def test_forward_rotary_pair_of_heads_runs_one_stage_under_a_cap():

@@ -416,6 +416,24 @@ def test_sm90_backward_blocks_in_tiles(dtype, block_size, head_dim, heads, rotat
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("num_heads,per_program", [(4, 4), (5, 5), (9, 8)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rotate", [(), ("q", "k"), ("q", "k", "v")], ids=lambda r: "".join(r) or "plain")
+def test_sm90_backward_heads_a_program_at_d32(rotate, dtype, num_heads, per_program, block_size, poisoned_outputs,
+                                              monkeypatch):
+    """At D = 32 on 64-row tiles one program runs up to 8 heads of a block in turn (``_heads_per_program``): an
+    odd count reuses the first buffer (its barrier's phase flipped), 9 heads leave the second program one."""
+    sm90 = backends.sm90_ops
+    plans.forget()  # a replayed plan would launch without sm90.launch
+    launched = []
+    monkeypatch.setattr(sm90, "launch", lambda kernel, grid, **kw: launched.append(kw) or launch.launch(kernel, grid,
+                                                                                                         **kw))
+    check_sm90_backward(block_size, 32, (num_heads, num_heads), dtype, rotate, monkeypatch)
+    assert [kw["HEADS"] for kw in launched] == [per_program]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("heads", [(3, 3), (4, 2), (6, 2), (8, 1), (8, 4)], ids=lambda h: f"{h[0]}:{h[1]}")

@@ -184,6 +184,20 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     program 2.09x, 8 warps 2.09x); at D = 32 it lost (2.20x -> 2.35x), and at 64-token blocks and D = 64 it won only
     3% (1.27x -> 1.23x).
 
+    The plain forward without GQA on small tiles (16-bit or fp8 inputs; 16- and 32-token blocks, one a program, at
+    D = 32 to 128; 64-token blocks at D = 32, and for fp8 at D = 64; no in-block option) runs 4 query heads a
+    program (the largest divisor of ``num_heads`` up to 4; up to 8 for fp8 at 16- and 32-token blocks and for 16
+    bits at 16-token blocks with D = 32), each on its own k and v, its loop four stages deep: the next heads' loads
+    in flight, where a program of one head held too few bytes to keep the memory busy. H200, the sweep's lengths, 8
+    heads, over the floor, one head a program against 4 (8) heads four stages deep (2026-11-29, ``kernel_config``
+    patched in a `.gpu` script): bf16 at 16-token blocks D = 32 1.93x -> 1.80x (1.68x), D = 64 1.36x -> 1.10x, D =
+    128 1.13x -> 1.06x; 32-token blocks D = 32 1.51x -> 1.16x, D = 64 1.20x -> 1.07x, D = 128 1.07x -> 1.05x;
+    64-token blocks D = 32 1.24x -> 1.15x, but D = 64 1.04x -> 1.09x (two heads two stages deep a tie). One stage
+    lost everywhere (4 heads: 1.32-2.33x), and so did 8 heads two stages deep but at 16-token blocks. fp8 at
+    16-token blocks D = 32 3.31x -> 2.80x (2.63x), D = 64 1.93x -> 1.74x (1.64x), D = 128 1.60x -> 1.37x (1.27x);
+    32-token blocks D = 32 2.85x -> 2.25x (2.12x), D = 64 1.88x -> 1.55x (1.49x), D = 128 1.47x -> 1.42x (1.32x);
+    64-token blocks D = 32 1.70x -> 1.46x (1.45x), D = 64 1.41x -> 1.24x (1.39x). Not measured on an H100.
+
     Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks, but for the groups and heads a
     program above), slices wider than 64 x 128, or, at 64-token blocks, dk and dv accumulators of 128+ columns across
     a GQA group; else 4, which beat 2 and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at
@@ -229,6 +243,14 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                         and not in_block_bits)
     if mha_rotary_heads:
         heads_per_program = max(h for h in (1, 2, 3, 4) if num_heads % h == 0)
+    # The plain 16-bit or fp8 forward without GQA on small tiles: several query heads a program, each on its own k
+    # and v
+    mha_plain_heads = (not backward and group == 1 and not rotary and element_size <= 2 and not in_block_bits
+                       and chunk >= block_d and 32 <= block_d <= 128
+                       and (block_size <= 32 or (block_size == 64 and block_d <= (64 if element_size == 1 else 32))))
+    if mha_plain_heads:
+        most = 8 if (element_size == 1 and block_size <= 32) or (block_size, block_d) == (16, 32) else 4
+        heads_per_program = max(h for h in range(1, most + 1) if num_heads % h == 0)
     rotary_gqa_fwd = (not backward and rotary and group > 1 and element_size == 2 and block_size == 64
                       and block_d >= 128 and heads_per_program == 1)
     # The rotary forward of two query heads a program (fp32 angles, 64-token blocks, D = 128): one stage, under a
@@ -246,6 +268,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                          else (2 if block_size == 64 else 1) if wide_rotary_group
                          else (1 if rotary else 2) if wide_block_group
                          else 2 if mha_rotary_heads and heads_per_program > 1
+                         else 4 if mha_plain_heads and heads_per_program > 1
                          else 1 if rotary_pair_fwd
                          else 4 if heads_per_program > 1 and not in_block_bits
                          and not (element_size == 2 and group <= 4 and block_d == 128 and not rotary) else 1),
@@ -381,17 +404,24 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
 
 @triton.jit
 def _fwd_group(q_ptr, k_base, v_base, o_ptr, start, first_head, rows, row_ok, head_dim, qk_scale_log2, out_factor,
-               stride_qn, stride_qh, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_on, stride_oh,
-               stride_od, mods, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr, FP8_QK: tl.constexpr,
-               HEADS: tl.constexpr, GROUP_STAGES: tl.constexpr, keys):
-    """The forward of query heads ``first_head ...`` of one kv head, whole rows: k and v read once for all."""
+               stride_qn, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd, stride_vn, stride_vh, stride_vd,
+               stride_on, stride_oh, stride_od, mods, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+               EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, IN_BLOCK: tl.constexpr, FP8: tl.constexpr,
+               FP8_QK: tl.constexpr, HEADS: tl.constexpr, GROUP_STAGES: tl.constexpr, SHARED_KV: tl.constexpr, keys):
+    """The forward of query heads ``first_head ...`` in turn, whole rows: of one kv head (``SHARED_KV``), whose k and
+    v are read once for all, or without GQA each on its own k and v (``k_base``, ``v_base``: the first head's)."""
     mask = tile_mask(row_ok, 0, head_dim, CHUNK, EVEN_D)
-    k = _widened(tl.load(tile_ptrs(k_base, rows, 0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0),
-                 FP8 and not FP8_QK)
-    v = _widened(tl.load(tile_ptrs(v_base, rows, 0, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0), FP8)
+    if SHARED_KV:
+        k = _widened(tl.load(tile_ptrs(k_base, rows, 0, stride_kn, stride_kd, CHUNK), mask=mask, other=0.0),
+                     FP8 and not FP8_QK)
+        v = _widened(tl.load(tile_ptrs(v_base, rows, 0, stride_vn, stride_vd, CHUNK), mask=mask, other=0.0), FP8)
     for g in tl.range(HEADS, num_stages=GROUP_STAGES):
         head = first_head + g
+        if not SHARED_KV:
+            k = _widened(tl.load(tile_ptrs(k_base + g * stride_kh, rows, 0, stride_kn, stride_kd, CHUNK), mask=mask,
+                                 other=0.0), FP8 and not FP8_QK)
+            v = _widened(tl.load(tile_ptrs(v_base + g * stride_vh, rows, 0, stride_vn, stride_vd, CHUNK), mask=mask,
+                                 other=0.0), FP8)
         q = _widened(tl.load(tile_ptrs(q_ptr + head * stride_qh, rows, 0, stride_qn, stride_qd, CHUNK), mask=mask,
                              other=0.0), FP8 and not FP8_QK)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -426,8 +456,9 @@ def _block_attention_fwd_kernel(
     # tensor cores instead (no widening; slices 32+ wide): 1.28x its floor against 1.42x widened at `ads` with GQA
     # 4:1 (H100). Hopper sums fp8 products with fewer bits than fp32, within the tested SNR bounds.
     # HEADS_PER_PROGRAM > 1 (one head-dim slice): a program runs the query heads of one kv head in turn, on the k
-    # and v tiles it loaded (and turned) once (_fwd_group; with a rotary _fwd_rotary_block), or without GQA, with a
-    # rotary, consecutive heads on the angles it loaded once (_fwd_rotary_block).
+    # and v tiles it loaded (and turned) once (_fwd_group; with a rotary _fwd_rotary_block), or without GQA
+    # consecutive heads, each on its own k and v (_fwd_group), with a rotary on the angles it loaded once
+    # (_fwd_rotary_block).
     # BLOCK_SIZE is the rows a program holds: BLOCKS blocks of BLOCK_SIZE // BLOCKS tokens (tiles.blocks_per_tile),
     # each row's keys those of its block (``keys``), and no in-block option with more than one.
     tl.static_assert(BLOCKS == 1 or IN_BLOCK == 0)
@@ -471,9 +502,9 @@ def _block_attention_fwd_kernel(
         return
     if HEADS_PER_PROGRAM > 1:
         _fwd_group(q_ptr, k_base, v_base, o_ptr, start, head, rows, row_ok, head_dim, qk_scale_log2, out_factor,
-                   stride_qn, stride_qh, stride_qd, stride_kn, stride_kd, stride_vn, stride_vd, stride_on, stride_oh,
-                   stride_od, mods, BLOCK_SIZE, CHUNK, EVEN_D, DOT_PRECISION, IN_BLOCK, FP8, FP8_QK,
-                   HEADS_PER_PROGRAM, GROUP_STAGES, keys)
+                   stride_qn, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd, stride_vn, stride_vh, stride_vd,
+                   stride_on, stride_oh, stride_od, mods, BLOCK_SIZE, CHUNK, EVEN_D, DOT_PRECISION, IN_BLOCK, FP8,
+                   FP8_QK, HEADS_PER_PROGRAM, GROUP_STAGES, GROUP > 1, keys)
         return
     scores = tl.zeros((BLOCK_SIZE, BLOCK_SIZE), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
@@ -840,9 +871,9 @@ def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: in
 
 def _takes_heads_per_program(heads: int, num_heads: int, group: int, cfg: MappingProxyType, rotate: int) -> bool:
     """Whether a forward program may run ``heads`` query heads: where one head-dim slice holds the row, the GQA
-    group (on k and v read once), or without GQA with a rotary any divisor of the heads (on the block's angles read
-    once)."""
-    return cfg["NUM_CHUNKS"] == 1 and (heads == group or (group == 1 and rotate != 0 and num_heads % heads == 0))
+    group (on k and v read once), or without GQA any divisor of the heads (each on its own k and v; with a rotary on
+    the block's angles read once)."""
+    return cfg["NUM_CHUNKS"] == 1 and (heads == group or (group == 1 and num_heads % heads == 0))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -921,8 +952,9 @@ def block_attention_fwd_triton(
     ``tiles.ROTATE_BITS`` (0 without ``sinu_pos``): those operands are turned by ``sinu_pos`` after loading;
     ``options`` the in-block options; ``fp8_scales`` those of fp8 inputs (``ops.fp8``). ``num_warps``, ``maxnreg``
     (a register cap) and ``fp8_dot`` (fp8 q k^T on fp8 tensor cores, for fp8 inputs without a rotary and slices 32+
-    wide; refused elsewhere), ``heads_per_program`` (1, or under GQA with one head-dim slice the group) and
-    ``group_stages`` (the pipelining depth of that group's loop) override the tuned launch, for tuning sweeps."""
+    wide; refused elsewhere), ``heads_per_program`` (1, or with one head-dim slice the GQA group, or without GQA
+    a divisor of the heads) and ``group_stages`` (the pipelining depth of that loop over heads) override the tuned
+    launch, for tuning sweeps."""
     n, hq, d = q.shape
     if rotate:
         q, k, v = (pair_aligned(t) for t in (q, k, v))
@@ -941,8 +973,7 @@ def block_attention_fwd_triton(
         raise ValueError("fp8_dot needs fp8 inputs, no rotary and head-dim slices at least 32 wide")
     if heads_per_program not in (None, 1) and not _takes_heads_per_program(heads_per_program, hq, group, cfg, rotate):
         raise ValueError(f"heads_per_program must be 1, or where one head-dim slice holds the row the GQA group "
-                         f"({group}), or without GQA with a rotary a divisor of the {hq} heads, got "
-                         f"{heads_per_program}")
+                         f"({group}), or without GQA a divisor of the {hq} heads, got {heads_per_program}")
     if group_stages is not None and group_stages < 1:
         raise ValueError(f"group_stages must be at least 1, got {group_stages}")
     heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]

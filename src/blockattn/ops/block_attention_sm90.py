@@ -21,10 +21,10 @@ backward over its floor: 1.40-1.42x -> 1.24-1.26x at D = 64, 1.57-1.59x -> 1.42x
 
 One warpgroup runs 64-token blocks up to D = 128. Past that one warpgroup's accumulators would spill, so two run
 (:func:`_num_warps`): at 128-token blocks down the rows of [128, 128] score tiles, at D = 256 side by side along
-the columns of [64, 256] gradient tiles. Where the score tiles'
-registers hold an SM to one program (128-token blocks, D <= 64), one program without GQA runs every head of its
-block in turn, the next head's four tiles landing in a second buffer (:func:`_heads_per_program`): otherwise its
-loads, products and stores take turns.
+the columns of [64, 256] gradient tiles. Where the score tiles' registers hold an SM to one program (128-token
+blocks, D <= 64), one program without GQA runs every head of its block in turn, the next head's four tiles landing
+in a second buffer (:func:`_heads_per_program`): otherwise its loads, products and stores take turns. At D = 32 on
+64-row tiles up to 8 heads run in turn likewise: there a program's own fixed costs weigh more than its tiles.
 
 16- and 32-token blocks run four or two to a program in one 64-row tile (``tiles.blocks_per_tile``): consecutive
 grid slots' blocks are consecutive rows, so the tile lands by TMA as a 64-token block would, and each row's keys
@@ -651,11 +651,23 @@ def _heads_per_program(block_size: int, head_dim: int, num_heads: int, options: 
     computes: all of them at 128-token blocks with D <= 64, where the score tiles' registers hold an SM to one
     program and its loads, products and stores would otherwise take turns (H100, 8 heads, `ads`-like lengths,
     backward over its floor, 1 / 2 / 4 / 8 heads a program: D = 64 1.50 / 1.25 / 1.17 / 1.17x, D = 32 2.40 / 1.89 /
-    1.72 / 1.66x; with fp32 angles, read once for all heads, 1.96 -> 1.54x and 2.75 -> 2.08x). One head a program
-    elsewhere (64-token blocks at D = 64: 1.04x either way), and with in-block options. The rule does not look at
-    the batch: on a batch of fewer blocks than the GPU has SMs, a block's heads run in turn where they could have
+    1.72 / 1.66x; with fp32 angles, read once for all heads, 1.96 -> 1.54x and 2.75 -> 2.08x). Up to 8 of at least
+    4 heads at D = 32 on 64-row tiles (64-token blocks, and 16- and 32-token blocks packed in them), where a
+    program's tiles are small and its fixed costs (the block's bounds, the barriers, the first load's latency) weigh
+    (H200, 2026-11-29, 8 heads, the sweep's lengths, 1 / 2 / 4 / 8 heads a program: 64-token blocks 1.22 / 1.26 /
+    1.16 / 1.15x, with fp32 angles 1.56 / 1.64 / 1.53 / 1.50x; 32-token blocks 1.41 / 1.37 / 1.20 / 1.17x and 1.90
+    / 1.74 / 1.53 / 1.47x; 16-token blocks 1.47 / 1.35 / 1.20 / 1.16x and 1.73 / 1.71 / 1.52 / 1.47x). One head a
+    program elsewhere (D = 64 at 64-token blocks 1.04 / 1.12 / 1.10 / 1.15x, with fp32 angles 1.27 / 1.54 / 1.24 /
+    1.25x; D = 128 1.02 / 1.16x, with fp32 angles 1.29 / 2.47x), and with in-block options. The rule does not look
+    at the batch: on a batch of fewer blocks than the GPU has SMs, a block's heads run in turn where they could have
     run side by side (not measured)."""
-    return num_heads if block_size == 128 and head_dim <= 64 and options.bits == 0 else 1
+    if options.bits:
+        return 1
+    if block_size == 128 and head_dim <= 64:
+        return num_heads
+    if block_size == 64 and head_dim == 32 and num_heads >= 4:
+        return min(num_heads, 8)
+    return 1
 
 
 def why_not(call) -> str | None:
