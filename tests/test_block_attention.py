@@ -422,7 +422,7 @@ def test_forward_heads_per_program_override(dtype):
     torch.testing.assert_close(forward(sinu_pos=angles, rotate=ROTATE_ALL),
                                forward(sinu_pos=angles, rotate=ROTATE_ALL, heads_per_program=1), **close)
     for bad in (3, 4):
-        with pytest.raises(ValueError, match="heads_per_program must be 1, or where one head-dim slice"):
+        with pytest.raises(ValueError, match="heads_per_program must be 1, or, where one head-dim slice"):
             forward(heads_per_program=bad)
     # Without GQA: any divisor of the heads, each with its own k and v (with a rotary on angles read once).
     mha = random_inputs(odd_lengths(16), 4, 4, 64, dtype, KERNEL_DEVICE)
@@ -436,9 +436,9 @@ def test_forward_heads_per_program_override(dtype):
         torch.testing.assert_close(mha_forward(heads_per_program=heads, group_stages=stages), mha_forward(), **close)
         torch.testing.assert_close(mha_forward(None, 0, heads_per_program=heads, group_stages=stages),
                                    mha_forward(None, 0, heads_per_program=1))
-    with pytest.raises(ValueError, match="a divisor of the 4 heads, got 3"):
+    with pytest.raises(ValueError, match="a divisor of the 4 heads; got 3"):
         mha_forward(heads_per_program=3)
-    with pytest.raises(ValueError, match="a divisor of the 4 heads, got 3"):
+    with pytest.raises(ValueError, match="a divisor of the 4 heads; got 3"):
         mha_forward(None, 0, heads_per_program=3)
     assert triton_ops.kernel_config(128, 128, backward=False, group=2)["NUM_CHUNKS"] > 1
     with pytest.raises(ValueError, match="heads_per_program"):

@@ -200,8 +200,8 @@ def test_bad_offsets_trip_device_assert(call):
     (3, (4, 4), 32, "triton")])
 def test_eager_call_without_a_table(num_seqs, heads, head_dim, kernels, monkeypatch, poisoned_outputs):
     """An eager call on up to 64 sequences runs the Triton forward without a block table (the table kernel's launch
-    and allocations are host time a small batch's kernel does not need; at D = 32 the forward with its register
-    cap), and its backward where the one-block kernel runs (D = 32 and 64; at D = 128 the persistent one, which
+    and allocations are host time a small batch's kernel does not need; at D = 32 the forward of 4 heads a
+    program), and its backward where the one-block kernel runs (D = 32 and 64; at D = 128 the persistent one, which
     reads a table, builds it); on Hopper without GQA the Gluon backward too, while the Hopper backward under GQA
     (8:1) builds the table itself. On more sequences, and where the warp-specialised Hopper forward runs it (8:2),
     the forward builds it, and the backward reads it. Without a gradient, only the forward's. The results are the

@@ -113,19 +113,27 @@ def test_forward_slices_narrow_with_two_tile_options():
 def test_forward_register_cap_only_where_it_measured_faster(block_size, head_dim, dtype, rotate, names, cap, group):
     """The forward's register caps hold where they measured faster: 128 with in-block options at 64-token blocks
     and D = 128 (elsewhere slower: 16- and 32-token blocks, D = 256; or tied), 64 for the plain forward of 64-token
-    blocks at D = 32 but in fp32 (slower at D = 64, and under GQA, whose programs run the group). The rule sees the
-    tile the launcher passes (blocks packed under GQA)."""
+    blocks at D = 32 with one query head a program but in fp32 (slower at D = 64, and under GQA, whose programs run
+    the group); 5 query heads have no divisor from 2 to 4, which the rule would run together at D = 32 (then
+    uncapped). The rule sees the tile the launcher passes (blocks packed under GQA)."""
     bits = sum({"causal": in_block.CAUSAL, "time": in_block.TIME_BIAS, "dropout": in_block.DROPOUT}[n].value
                for n in names)
-    q = torch.empty(2, 4, head_dim, dtype=dtype)
+    num_heads = 5 if group == 1 else 4
+    q = torch.empty(2, num_heads, head_dim, dtype=dtype)
     tile = block_size * tiles.blocks_per_tile(block_size, head_dim, group, bool(rotate), bits, backward=False)
     cfg = triton_ops.kernel_config(tile, head_dim, backward=False, group=group, element_size=q.element_size(),
-                                   rotary=bool(rotate), in_block_bits=bits, num_heads=4)
+                                   rotary=bool(rotate), in_block_bits=bits, num_heads=num_heads)
     cap = cap if group == 1 else None
     options = InBlock(causal="causal" in names, dropout_p=0.25 if "dropout" in names else 0.0,
-                      time_bias=torch.zeros(4, 8) if "time" in names else None)
+                      time_bias=torch.zeros(num_heads, 8) if "time" in names else None)
     assert options.bits == bits
-    assert triton_ops._forward_register_cap(cfg, q, tile, rotate, options) == cap
+    heads = cfg["HEADS_PER_PROGRAM"]
+    assert triton_ops._forward_register_cap(cfg, heads, q, tile, rotate, options) == cap
+    if cap == 64:  # 4 heads run 4 a program there, uncapped, unless launched one a program
+        four = triton_ops.kernel_config(tile, head_dim, backward=False, element_size=q.element_size(), num_heads=4)
+        assert four["HEADS_PER_PROGRAM"] == 4
+        assert triton_ops._forward_register_cap(four, 4, q, tile, rotate, options) is None
+        assert triton_ops._forward_register_cap(four, 1, q, tile, rotate, options) == 64
 
 
 @pytest.mark.parametrize("heads,names", [((4, 1), "all")] + ([((2, 2), "causal+pos+time")] if HAS_GPU else []))

@@ -192,8 +192,9 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     heads, over the floor, one head a program against 4 (8) heads four stages deep (2026-11-29, ``kernel_config``
     patched in a `.gpu` script): bf16 at 16-token blocks D = 32 1.93x -> 1.80x (1.68x), D = 64 1.36x -> 1.10x, D =
     128 1.13x -> 1.06x; 32-token blocks D = 32 1.51x -> 1.16x, D = 64 1.20x -> 1.07x, D = 128 1.07x -> 1.05x;
-    64-token blocks D = 32 1.24x -> 1.15x, but D = 64 1.04x -> 1.09x (two heads two stages deep a tie). One stage
-    lost everywhere (4 heads: 1.32-2.33x), and so did 8 heads two stages deep but at 16-token blocks. fp8 at
+    64-token blocks D = 32 1.24x -> 1.15x, but D = 64 1.04x -> 1.09x (two heads two stages deep a tie). Four heads
+    in one stage lost everywhere (1.12-2.33x); 8 heads tied with 4 or lost but at 16-token blocks (D = 32 1.68x
+    against 1.80x, D = 64 1.09x against 1.10x; two stages 1.09-1.70x). fp8 at
     16-token blocks D = 32 3.31x -> 2.80x (2.63x), D = 64 1.93x -> 1.74x (1.64x), D = 128 1.60x -> 1.37x (1.27x);
     32-token blocks D = 32 2.85x -> 2.25x (2.12x), D = 64 1.88x -> 1.55x (1.49x), D = 128 1.47x -> 1.42x (1.32x);
     64-token blocks D = 32 1.70x -> 1.46x (1.45x), D = 64 1.41x -> 1.24x (1.39x). Not measured on an H100.
@@ -837,10 +838,12 @@ def _register_cap(maxnreg: int | None) -> dict:
     return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
-def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: int, rotate: int,
+def _forward_register_cap(cfg: MappingProxyType, heads: int, q: torch.Tensor, block_size: int, rotate: int,
                           options: InBlock) -> int | None:
-    """The forward's register cap, at 64-token blocks, 4 warps and one query head a program, without a rotary: 64
-    at D = 32 for 16-bit and fp8 inputs without an in-block option, 128 at D = 128 for 16-bit inputs with any;
+    """The forward's register cap, at 64-token blocks, 4 warps and one query head a program (``heads``, as
+    launched), without a rotary: 64 at D = 32 for 16-bit and fp8 inputs without an in-block option (there
+    ``kernel_config`` runs 4 query heads a program where the head count allows: the cap holds for a count without a
+    divisor from 2 to 4, and for the launcher's override of one head), 128 at D = 128 for 16-bit inputs with any;
     ``kernel_config``'s where it sets one; else none.
 
     At D = 32 the kernel takes 74 registers a thread (fp8, triton 3.6), which fit 6 programs an SM; 64 fit 8, whose
@@ -862,14 +865,14 @@ def _forward_register_cap(cfg: MappingProxyType, q: torch.Tensor, block_size: in
     64-token blocks and D 256 2.446 against 2.360; D 64 within 1%."""
     if cfg["MAXNREG"] is not None:
         return cfg["MAXNREG"]
-    one_head = cfg["NUM_WARPS"] == 4 and cfg["HEADS_PER_PROGRAM"] == 1 and not rotate and block_size == 64
+    one_head = cfg["NUM_WARPS"] == 4 and heads == 1 and not rotate and block_size == 64
     if one_head and q.shape[-1] == 32 and q.element_size() <= 2 and not options.bits:
         return 64
     sixteen_bit = q.dtype in (torch.float16, torch.bfloat16)
     return 128 if one_head and sixteen_bit and q.shape[-1] == 128 and options.bits else None
 
 
-def _takes_heads_per_program(heads: int, num_heads: int, group: int, cfg: MappingProxyType, rotate: int) -> bool:
+def _takes_heads_per_program(heads: int, num_heads: int, group: int, cfg: MappingProxyType) -> bool:
     """Whether a forward program may run ``heads`` query heads: where one head-dim slice holds the row, the GQA
     group (on k and v read once), or without GQA any divisor of the heads (each on its own k and v; with a rotary on
     the block's angles read once)."""
@@ -971,9 +974,9 @@ def block_attention_fwd_triton(
     fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
     if fp8_dot and not fp8_qk_possible:
         raise ValueError("fp8_dot needs fp8 inputs, no rotary and head-dim slices at least 32 wide")
-    if heads_per_program not in (None, 1) and not _takes_heads_per_program(heads_per_program, hq, group, cfg, rotate):
-        raise ValueError(f"heads_per_program must be 1, or where one head-dim slice holds the row the GQA group "
-                         f"({group}), or without GQA a divisor of the {hq} heads, got {heads_per_program}")
+    if heads_per_program not in (None, 1) and not _takes_heads_per_program(heads_per_program, hq, group, cfg):
+        raise ValueError(f"heads_per_program must be 1, or, where one head-dim slice holds the row, the GQA group "
+                         f"({group}) or without GQA a divisor of the {hq} heads; got {heads_per_program}")
     if group_stages is not None and group_stages < 1:
         raise ValueError(f"group_stages must be at least 1, got {group_stages}")
     heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]
@@ -991,7 +994,7 @@ def block_attention_fwd_triton(
         DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q), HEADS_PER_PROGRAM=heads,
         GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
         num_warps=num_warps or cfg["NUM_WARPS"], num_stages=1,
-        **_register_cap(maxnreg or _forward_register_cap(cfg, q, tile, rotate, options)),
+        **_register_cap(maxnreg or _forward_register_cap(cfg, heads, q, tile, rotate, options)),
         # Without a table the kernel asserts the offsets (``debug``; without the overflow checks it also turns on).
         **({"debug": True, "sanitize_overflow": False} if checking else {}),
     )

@@ -484,9 +484,10 @@ def _triton_faster(call) -> str | None:
     2026-11-28: D = 128 8:4 1.13 -> 1.08x at 64-token blocks, 1.16 -> 1.10x at 32, 1.20 -> 1.12x at 16; 8:2 1.20 ->
     1.11x, 1.22 -> 1.12x, 1.24 -> 1.18x; D = 64 8:4 1.17 -> 1.12x, 1.31 -> 1.17x, 1.33 -> 1.30x). The Triton forward
     keeps the rest: without GQA (64-token blocks at D = 128 1.00x against 1.04x: its programs keep the memory busy
-    there; at 16- and 32-token blocks with D = 64 this kernel measured faster, 1.30 -> 1.28x and 1.17 -> 1.07x, but
-    its tiles of several blocks let a NaN in v reach the tile's other blocks, where the Triton forward, one block a
-    program without GQA, keeps it in its own), at 8 query heads a kv head (1.13-1.49x against 1.31-2.67x), at 4 with
+    there; at 16- and 32-token blocks with D = 64 this kernel measured faster than a Triton program a head, 1.30 ->
+    1.28x and 1.17 -> 1.07x, but its tiles of several blocks let a NaN in v reach the tile's other blocks, where the
+    Triton forward, one block a program without GQA, keeps it in its own; since 2026-11-29 that forward runs 4 heads
+    a program there, 1.10x and 1.07x), at 8 query heads a kv head (1.13-1.49x against 1.31-2.67x), at 4 with
     D = 64 (1.12-1.24x against 1.16-1.30x) and at D = 32 (1.27-1.87x against 1.41-2.67x, a tie at 16-token blocks
     without GQA), where two consumers' chains of products, softmax and stores cannot keep up with the loads. fp8
     runs here at D = 128 under GQA of 2 to 4 query heads a kv head, without GQA at 64-token blocks, and at D = 64
@@ -494,8 +495,9 @@ def _triton_faster(call) -> str | None:
     Triton -> this kernel at 64-, 32- and 16-token blocks: 8:4 1.36 -> 1.22x, 1.73 -> 1.32x, 1.76 -> 1.45x; 8:2
     1.29 -> 1.31x (a tie), 1.63 -> 1.36x, 1.71 -> 1.52x; 8:8 1.30 -> 1.20x at 64; D = 64 8:4 1.54 -> 1.48x at 64).
     The Triton forward keeps fp8 without GQA at 32- and 16-token blocks (1.46 and 1.59x against 1.37 and 1.48x,
-    for the NaN exception above), at 8 query heads a kv head (1.28-1.61x against 2.47-3.16x) and at D = 64 and 32
-    but the case above (D = 64: 1.39-1.93x against 1.42-2.88x). At 128-token blocks (16-bit inputs) this kernel
+    for the NaN exception above; since 2026-11-29, 8 heads a program, 1.32 and 1.27x), at 8 query heads a kv head
+    (1.28-1.61x against 2.47-3.16x) and at D = 64 and 32 but the case above (D = 64: 1.39-1.93x against
+    1.42-2.88x). At 128-token blocks (16-bit inputs) this kernel
     runs all but D = 32 under GQA (2026-11-28 22:06-22:10 UTC, Triton -> this kernel at 8:8 / 8:4 / 8:2 / 8:1:
     D = 128 1.31 -> 1.10x, 1.63 -> 1.19x, 1.86 -> 1.44x, 2.06 -> 1.70x; D = 64 1.46 -> 1.21x, 2.02 -> 1.64x, 2.15 ->
     1.91x, 2.33 -> 2.11x; D = 32 2.41 -> 2.05x without GQA, but 2.77 -> 3.05x and 2.93 -> 3.33x at 8:4 and 8:2).
