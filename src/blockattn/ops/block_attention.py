@@ -239,19 +239,18 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                         and not in_block_bits)
     heads_per_program = (group if not backward and (block_size == 64 or wide_rotary_group or wide_block_group)
                          and chunk >= block_d else 1)
-    mha_rotary_heads = (not backward and rotary and fp32_angles and group == 1 and element_size == 2
-                        and (block_size, block_d) in ((64, 128), (128, 64)) and chunk >= block_d
-                        and not in_block_bits)
+    # The forward without GQA, whole rows, no in-block option: where several query heads a program pay (below)
+    mha_whole_rows = not backward and group == 1 and chunk >= block_d and not in_block_bits
+    mha_rotary_heads = (mha_whole_rows and rotary and fp32_angles and element_size == 2
+                        and (block_size, block_d) in ((64, 128), (128, 64)))
     if mha_rotary_heads:
-        heads_per_program = max(h for h in (1, 2, 3, 4) if num_heads % h == 0)
-    # The plain 16-bit or fp8 forward without GQA on small tiles: several query heads a program, each on its own k
-    # and v
-    mha_plain_heads = (not backward and group == 1 and not rotary and element_size <= 2 and not in_block_bits
-                       and chunk >= block_d and 32 <= block_d <= 128
+        heads_per_program = _largest_divisor(num_heads, 4)
+    # The plain 16-bit or fp8 forward on small tiles, each query head on its own k and v
+    mha_plain_heads = (mha_whole_rows and not rotary and element_size <= 2 and 32 <= block_d <= 128
                        and (block_size <= 32 or (block_size == 64 and block_d <= (64 if element_size == 1 else 32))))
     if mha_plain_heads:
         most = 8 if (element_size == 1 and block_size <= 32) or (block_size, block_d) == (16, 32) else 4
-        heads_per_program = max(h for h in range(1, most + 1) if num_heads % h == 0)
+        heads_per_program = _largest_divisor(num_heads, most)
     rotary_gqa_fwd = (not backward and rotary and group > 1 and element_size == 2 and block_size == 64
                       and block_d >= 128 and heads_per_program == 1)
     # The rotary forward of two query heads a program (fp32 angles, 64-token blocks, D = 128): one stage, under a
@@ -278,6 +277,11 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                       or rotary_gqa_fwd or (wide_rotary_group and block_size == 64) else 4),
         "MAXNREG": 168 if rotary_pair_fwd else None,
     })
+
+
+def _largest_divisor(n: int, most: int) -> int:
+    """The largest divisor of ``n`` up to ``most``: query heads a program that split ``n`` heads evenly."""
+    return max(h for h in range(1, most + 1) if n % h == 0)
 
 
 @triton.jit
