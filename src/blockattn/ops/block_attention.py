@@ -172,17 +172,36 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     blocks 1.37-1.90x, 4 at 64-token blocks 2.13x; one stage 1.65x and 1.78x); H200 64-token blocks 8:2 2.87x ->
     2.11x, 8:1 3.07x -> 2.23x.
 
-    Without GQA, a forward with a fused rotary fed fp32 angles (16-bit inputs, 64-token blocks at D = 128 and
-    128-token blocks at D = 64, no in-block option) runs up to 4 query heads a program (the largest divisor of
-    ``num_heads`` up to 4), each on its own k and v, on the block's angles read once, its loop two stages deep, 4
-    warps: every program re-read the block's 32 KiB of angles from L2, half again the bytes of its q, k, v and output
-    tiles. At `ads` lengths (2026-11-25), one head a program against four, two stages: H100 8 heads 1.10x -> 1.02x
-    the floor, 4 heads 1.08x -> 1.01x, 3 heads (3 a program) 1.07x -> 1.02x; H200 8 heads 1.34x -> 1.19x, 4 heads
-    1.30x -> 1.15x. With bf16 angles it tied on the H100 (0.99x -> 1.00x) and lost on the H200 (1.10x -> 1.18x); at
-    D = 64 it tied or lost (H100 1.00x -> 1.02x, H200 1.17x -> 1.19x); three stages lost everywhere (H100 8 heads
-    1.11x). At 128-token blocks, H200, the sweep's lengths, 8 heads (2026-11-28): D = 64 2.33x -> 2.01x (2 heads a
-    program 2.09x, 8 warps 2.09x); at D = 32 it lost (2.20x -> 2.35x), and at 64-token blocks and D = 64 it won only
-    3% (1.27x -> 1.23x).
+    Without GQA, a 16-bit forward with a fused rotary at 64-token blocks and D = 128 fed fp32 angles, or at
+    128-token blocks and D = 64 fed angles in the inputs' dtype (no in-block option), runs up to 4 query heads a
+    program (the largest divisor of ``num_heads`` up to 4), each on its own k and v, on the block's angles read
+    once, its loop two stages deep, 4 warps: every program re-read the block's 32 KiB of angles from L2, half again
+    the bytes of its q, k, v and output tiles. At `ads` lengths (2026-11-25), one head a program against four, two
+    stages: H100 8 heads 1.10x -> 1.02x the floor, 4 heads 1.08x -> 1.01x, 3 heads (3 a program) 1.07x -> 1.02x;
+    H200 8 heads 1.34x -> 1.19x, 4 heads 1.30x -> 1.15x. With bf16 angles it tied on the H100 (0.99x -> 1.00x) and
+    lost on the H200 (1.10x -> 1.18x); three stages lost everywhere (H100 8 heads 1.11x; H200, 2026-11-29, 8 heads
+    1.28x -> 1.56x). At 128-token blocks and D = 64, H200, the sweep's lengths, 8 heads: bf16 angles 2.38x ->
+    1.95x (2026-11-29, 07:18-07:23 UTC, twice; 8 heads three stages 2.04x, 8 warps 2.42x); fp32 angles 2.33x ->
+    2.01x (2026-11-28), since taken by the rule below.
+
+    Without GQA, the rotary forward (no in-block option) runs up to 8 query heads a program (the largest divisor of
+    ``num_heads`` up to 8), each on its own k and v, on the tile's angles read once, its loop three stages deep, on
+    64-row tiles (64-token blocks, and 16- and 32-token blocks four or two to a tile) for fp8 inputs up to D = 128
+    and for 16-bit inputs up to D = 64 with fp32 angles, or with angles in their dtype at D = 32 on packed tiles;
+    and with 8 warps at 128-token blocks, D = 64, 16-bit inputs and fp32 angles. One head a program read the
+    tile's angles once a head. H200, the sweep's lengths, 8 heads, over the floor, the rules before against 8
+    heads three stages deep (2026-11-29, ``kernel_config`` patched in a `.gpu` script, 07:03-07:23 UTC): bf16
+    with fp32 angles, 16-token blocks D = 32 2.05x -> 1.50x, D = 64 1.61x -> 1.29x; 32-token blocks 1.93x ->
+    1.47x, 1.52x -> 1.27x; 64-token blocks 1.43x -> 1.35x, 1.29x -> 1.10x; 128-token blocks at D = 64 2.03x ->
+    1.82x (twice; 4 warps 2.76x); fp8 up to D = 64 with fp32 angles 1.75-3.29x -> 1.67-2.19x (bf16 angles
+    1.76-3.49x -> 1.74-2.33x, four stages), at D = 128 16-, 32- and 64-token blocks 2.41x, 2.27x, 1.72x -> 1.72x,
+    1.67x, 1.63x (bf16 angles 2.58x, 2.20x, 1.84x -> 1.75x, 1.70x, 1.66x); bf16 with bf16 angles at D = 32 on
+    packed tiles 1.99-2.10x -> 1.61-1.64x. With bf16 angles elsewhere it lost or won little (64-token blocks D =
+    32 1.36x -> 1.58x; D = 64 1.28-1.50x -> 1.23-1.46x), and so it did for 16 bits at D = 128 (1.18-1.49x ->
+    1.43-1.72x; two stages 1.27-1.39x) and at 128-token blocks and D = 32 with fp32 angles (2.22x -> 2.26x; bf16
+    angles 2.53x -> 2.31x, not taken). Four stages tied or lost (but at 64-token blocks and D = 32, 1.31x against
+    1.35x; fp8 at D = 128 2.28-2.52x); two and six lost, and so did 8 warps on 64-row tiles, everywhere. Not
+    measured on an H100.
 
     The plain forward without GQA on small tiles (16-bit or fp8 inputs; 16- and 32-token blocks, one a program, at
     D = 32 to 128; 64-token blocks at D = 32, and for fp8 at D = 64; no in-block option) runs 4 query heads a
@@ -241,10 +260,19 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                          and chunk >= block_d else 1)
     # The forward without GQA, whole rows, no in-block option: where several query heads a program pay (below)
     mha_whole_rows = not backward and group == 1 and chunk >= block_d and not in_block_bits
-    mha_rotary_heads = (mha_whole_rows and rotary and fp32_angles and element_size == 2
-                        and (block_size, block_d) in ((64, 128), (128, 64)))
+    mha_rotary_heads = (mha_whole_rows and rotary and element_size == 2
+                        and (block_size, block_d) == ((64, 128) if fp32_angles else (128, 64)))
     if mha_rotary_heads:
         heads_per_program = _largest_divisor(num_heads, 4)
+    # Up to 8 heads a program, three stages deep: the rotary forward on 64-row tiles (fp8 up to D = 128, 16 bits up
+    # to D = 64) and, with fp32 angles, at 128-token blocks and D = 64
+    mha_rotary_many_heads = mha_whole_rows and rotary and (
+        (block_size == 64 and element_size == 1 and block_d <= 128)
+        or (block_size == 64 and element_size == 2 and block_d <= 64
+            and (fp32_angles or (block_d == 32 and blocks > 1)))
+        or (block_size == 128 and element_size == 2 and block_d == 64 and fp32_angles))
+    if mha_rotary_many_heads:
+        heads_per_program = _largest_divisor(num_heads, 8)
     # The plain 16-bit or fp8 forward on small tiles, each query head on its own k and v
     mha_plain_heads = (mha_whole_rows and not rotary and element_size <= 2 and 32 <= block_d <= 128
                        and (block_size <= 32 or (block_size == 64 and block_d <= (64 if element_size == 1 else 32))))
@@ -268,12 +296,13 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                          else (2 if block_size == 64 else 1) if wide_rotary_group
                          else (1 if rotary else 2) if wide_block_group
                          else 2 if mha_rotary_heads and heads_per_program > 1
+                         else 3 if mha_rotary_many_heads and heads_per_program > 1
                          else 4 if mha_plain_heads and heads_per_program > 1
                          else 1 if rotary_pair_fwd
                          else 4 if heads_per_program > 1 and not in_block_bits
                          and not (element_size == 2 and group <= 4 and block_d == 128 and not rotary) else 1),
         "HEADS_PER_PROGRAM": heads_per_program,
-        "NUM_WARPS": (8 if (block_size == 128 and heads_per_program == 1) or wide
+        "NUM_WARPS": (8 if (block_size == 128 and (heads_per_program == 1 or mha_rotary_many_heads)) or wide
                       or rotary_gqa_fwd or (wide_rotary_group and block_size == 64) else 4),
         "MAXNREG": 168 if rotary_pair_fwd else None,
     })
