@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import triton.testing
 
+from blockattn import devices
 from blockattn.backends import FLASH_BACKENDS
 from blockattn.checks import FP8_DTYPE
 from blockattn.ops import flash_attention as flash_ops
@@ -32,7 +33,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     capability = torch.cuda.get_device_capability()
-    limit = flash_ops.shared_memory_limit(torch.device("cuda"))
+    limit = devices.shared_memory_limit(torch.device("cuda"))
     rows = []
     for d, dtype, causal in itertools.product(args.head_dims, (torch.bfloat16, FP8_DTYPE), (False, True)):
         q, k, v = (torch.randn(args.batch, args.seqlen, args.heads, d, device="cuda").to(dtype) for _ in range(3))

@@ -19,7 +19,7 @@ import pytest
 
 from blockattn import backends, checks, devices, reference
 from blockattn.block_table import build_block_table
-from blockattn.ops import flash_attention, plans, tiles
+from blockattn.ops import plans, tiles
 from blockattn.ops.in_block import PLAIN, dropout_keep
 from blockattn.ops.tiles import ROTATE_BITS
 from blockattn.reference import block_attention_reference, rotary_reference
@@ -50,7 +50,7 @@ def public_calls_on_kernels(monkeypatch):
         monkeypatch.setattr(devices, "kernels_reason", lambda device: None)
         monkeypatch.setattr(devices, "capability", lambda device: (8, 0))
         monkeypatch.setattr(devices, "multiprocessors", lambda device: 4)
-        monkeypatch.setattr(flash_attention, "shared_memory_limit", lambda device: 100 * 1024)
+        monkeypatch.setattr(devices, "shared_memory_limit", lambda device: 100 * 1024)
     return KERNEL_DEVICE
 
 

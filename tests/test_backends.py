@@ -5,7 +5,6 @@ import torch
 
 from blockattn import backends, devices
 from blockattn.backends import BACKENDS, FLASH_BACKENDS, AttentionCall, FlashCall, select
-from blockattn.ops import flash_attention as flash_ops
 from blockattn.ops.in_block import InBlock
 
 
@@ -175,12 +174,12 @@ def flash_call(variant="auto", dtype=torch.bfloat16, head_dim=128, tma_ready=Tru
     ({"rows_follow": False}, "warp_specialized"),
 ])
 def test_hopper_flash_forward_takes_the_gluon_kernel(changes, chosen, gpu_capability, monkeypatch):
-    monkeypatch.setattr(flash_ops, "shared_memory_limit", lambda device: 227 * 1024)
+    monkeypatch.setattr(devices, "shared_memory_limit", lambda device: 227 * 1024)
     gpu_capability((9, 0))
     assert select(flash_call(**changes), FLASH_BACKENDS).name == chosen
     gpu_capability((10, 0))  # no wgmma on Blackwell: Triton's kernels
     assert select(flash_call(), FLASH_BACKENDS).name == "warp_specialized"
-    monkeypatch.setattr(flash_ops, "shared_memory_limit", lambda device: 40 * 1024)
+    monkeypatch.setattr(devices, "shared_memory_limit", lambda device: 40 * 1024)
     gpu_capability((9, 0))  # a GPU whose shared memory holds no 128-row tiles with two slots
     assert "shared memory" in FLASH_BACKENDS["warp_specialized-sm90"].why_not(flash_call())
 
@@ -194,7 +193,7 @@ def test_gluon_flash_forward_takes_a_third_consumer_without_a_causal_mask(dtype,
                                                                           gpu_capability, monkeypatch):
     """192-row tiles (three consumer warpgroups) where they measured faster: no causal mask, fp8 up to D = 128
     and 16-bit at D = 64. The kernel takes what the table gives; the call carries ``causal`` to it."""
-    monkeypatch.setattr(flash_ops, "shared_memory_limit", lambda device: 227 * 1024)
+    monkeypatch.setattr(devices, "shared_memory_limit", lambda device: 227 * 1024)
     gpu_capability((9, 0))
     q = torch.empty(1, 8, 2, head_dim, dtype=dtype)
     for causal, rows in ((False, rows_without_mask), (True, 128)):

@@ -445,7 +445,7 @@ def test_forward_heads_per_program_override(dtype):
         forward(head_dim=128, block_size=128, heads_per_program=2)
 
 
-def test_forward_heads_per_program_with_fp32_angles_without_gqa():
+def test_forward_rotary_four_heads_per_program_without_gqa():
     """Without GQA, a 16-bit rotary forward at 64-token blocks and D = 128 fed fp32 angles, or at 128-token blocks
     and D = 64 fed angles in the inputs' dtype (no option), runs up to 4 query heads a program, two stages deep, 4
     warps (measured faster on an H100 and an H200, the second on an H200); elsewhere one, or the rule of
@@ -491,8 +491,9 @@ def test_forward_rotary_heads_per_program_on_narrow_tiles():
     """Without GQA and options, the rotary forward runs up to 8 query heads a program three stages deep, on the
     tile's angles read once: on 64-row tiles (64-token blocks, and 16- and 32-token blocks four or two to a tile)
     for fp8 inputs up to D = 128, and for 16-bit inputs up to D = 64 with fp32 angles or at D = 32 on packed tiles;
-    at 128-token blocks and D = 64 with fp32 angles (8 warps) (measured faster on an H200); elsewhere the rules
-    before. The rule's launch gives the output of one head a program, on odd lengths, 16-bit and fp8."""
+    at 128-token blocks and D = 64 with fp32 angles (8 warps) where a program may take 136 KiB of shared memory
+    (measured faster on an H200); elsewhere the rules before. The rule's launch gives the output of one head a
+    program, on odd lengths, 16-bit and fp8, both kinds of angles."""
     def rule(**changes):
         args = {"rotary": True, "fp32_angles": True, "num_heads": 8, "element_size": 2, "in_block_bits": 0,
                 "head_dim": 64, "block_size": 16} | changes
@@ -509,25 +510,33 @@ def test_forward_rotary_heads_per_program_on_narrow_tiles():
     assert rule(fp32_angles=False, head_dim=32) == rule(fp32_angles=False, head_dim=32, block_size=32) == (8, 3, 4)
     assert rule(num_heads=12)[0] == 6 and rule(num_heads=5)[0] == 5 and rule(num_heads=7) == (7, 3, 4)
     assert rule(num_heads=11) == (1, 1, 4)
-    for other in ({"fp32_angles": False}, {"fp32_angles": False, "head_dim": 32, "block_size": 64},
-                  {"head_dim": 128}, {"block_size": 128, "head_dim": 32}, {"block_size": 128, "element_size": 1},
-                  {"element_size": 1, "head_dim": 256}, {"element_size": 4}, {"in_block_bits": in_block.CAUSAL.value}):
-        assert rule(**other)[1] != 3, other
+    # 136 KiB of shared memory at 128-token blocks: a GPU with less (sm_86, sm_89) keeps 4 heads, two stages
+    assert rule(block_size=128, shared_memory=136 * 1024) == (8, 3, 8)
+    assert rule(block_size=128, shared_memory=99 * 1024) == rule(block_size=128, fp32_angles=False) == (4, 2, 4)
+    assert rule(shared_memory=99 * 1024) == (8, 3, 4)  # 64-row tiles take at most 88 KiB
+    for other, before in (({"fp32_angles": False}, (1, 1, 4)),
+                          ({"fp32_angles": False, "head_dim": 32, "block_size": 64}, (1, 1, 4)),
+                          ({"head_dim": 128}, (4, 2, 4)), ({"block_size": 128, "head_dim": 32}, (1, 1, 8)),
+                          ({"block_size": 128, "element_size": 1}, (1, 1, 8)),
+                          ({"element_size": 1, "head_dim": 256}, (1, 1, 4)), ({"element_size": 4}, (1, 1, 4)),
+                          ({"in_block_bits": in_block.CAUSAL.value}, (1, 1, 4))):
+        assert rule(**other) == before, other
 
-    for block_size, head_dim, heads, dtype in ((16, 32, 8, torch.float16), (64, 64, 6, torch.float16),
-                                               (128, 64, 4, torch.float16), (32, 128, 4, torch.float8_e4m3fn)):
+    for block_size, head_dim, heads, dtype, angle_dtype in (
+            (16, 32, 8, torch.float16, torch.float32), (32, 32, 4, torch.float16, torch.float16),
+            (64, 64, 6, torch.float16, torch.float32), (128, 64, 4, torch.float16, torch.float32),
+            (128, 64, 4, torch.float16, torch.float16),  # the 4-heads rule
+            (32, 128, 4, torch.float8_e4m3fn, torch.float32), (16, 64, 4, torch.float8_e4m3fn, torch.bfloat16)):
         q, k, v, _, offsets = random_inputs(odd_lengths(block_size), heads, heads, head_dim, torch.float16,
                                             KERNEL_DEVICE)
         table = build_block_table(offsets, q.shape[0], block_size)
-        angles = random_angles(q.shape[0], head_dim, torch.float32, KERNEL_DEVICE)
+        angles = random_angles(q.shape[0], head_dim, angle_dtype, KERNEL_DEVICE)
         scales = None
         if dtype == torch.float8_e4m3fn:
             (q, qs), (k, ks), (v, vs) = (quantised_fp8(t) for t in (q, k, v))
             scales = fp8.Fp8Scales(qs, ks, vs, torch.bfloat16)
-        blocks = tiles.blocks_per_tile(block_size, head_dim, 1, True, 0, backward=False)
-        assert triton_ops.kernel_config(block_size * blocks, head_dim, backward=False, rotary=True, fp32_angles=True,
-                                        element_size=q.element_size(), num_heads=heads, blocks=blocks)[
-            "HEADS_PER_PROGRAM"] == heads
+        assert rule(block_size=block_size, head_dim=head_dim, num_heads=heads, element_size=q.element_size(),
+                    fp32_angles=angle_dtype == torch.float32)[0] == heads
         # On a GPU the two launches may round a few outputs the other way (one unit in the last place: fp16, or
         # the bf16 output of fp8 inputs).
         unit = 1e-3 if scales is None else 1e-2

@@ -238,7 +238,7 @@ class FlashCall:
     def with_config(self, kernel_variant: str) -> FlashCall:
         """This call with the tuned configuration of ``kernel_variant`` on its device (or why none fits)."""
         cfg, reason = flash_ops.flash_config(kernel_variant, devices.capability(self.device), self.head_dim,
-                                             self.dtype == FP8_DTYPE, flash_ops.shared_memory_limit(self.device),
+                                             self.dtype == FP8_DTYPE, devices.shared_memory_limit(self.device),
                                              self.causal)
         return FlashCall(**{**self.__dict__, "config": cfg, "config_reason": reason})
 

@@ -25,6 +25,13 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def shared_memory_limit(device: torch.device) -> int:
+    """Bytes of shared memory one program may take on ``device`` (the opt-in limit where the GPU has one)."""
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+
+
 def kernels_reason(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on ``device``, or ``None`` where they can."""
     if device.type != "cuda":

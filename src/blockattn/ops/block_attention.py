@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import devices
 from ..block_table import BlockTable, OffsetsOnly
 from . import fp8, in_block, tiles
 from .in_block import InBlock, block_probs, block_probs_and_grads
@@ -92,10 +93,11 @@ def min_chunk(rotary: bool) -> int:
 @functools.cache  # read-only: one mapping per shape, computed once (launches are host-bound on small batches)
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
                   rotary: bool = False, persistent: bool = True, in_block_bits: int = 0, num_heads: int = 1,
-                  fp32_angles: bool = False, blocks: int = 1) -> MappingProxyType:
+                  fp32_angles: bool = False, blocks: int = 1, shared_memory: int | None = None) -> MappingProxyType:
     """Compile-time shape and launch of a kernel, by a rule measured on an H100 (the 4-warp default and the MHA
     persistent kernel also on an H200; docs/benchmarks.md). ``block_size`` is a program's tile of rows, ``blocks``
-    the blocks in it (16- and 32-token blocks run four or two to a 64-row tile: ``tiles.blocks_per_tile``).
+    the blocks in it (16- and 32-token blocks run four or two to a 64-row tile: ``tiles.blocks_per_tile``);
+    ``shared_memory`` the bytes a program may take on the GPU (``devices.shared_memory_limit``; None: no limit).
 
     Head-dim slices of at most 64 x 128 elements in the forward; 64 x 64 for 16-bit inputs without GQA or a rotary at
     64-token blocks and D = 128 with two or more of the options that add work to the score tile (``in_block_bits``:
@@ -172,24 +174,24 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     blocks 1.37-1.90x, 4 at 64-token blocks 2.13x; one stage 1.65x and 1.78x); H200 64-token blocks 8:2 2.87x ->
     2.11x, 8:1 3.07x -> 2.23x.
 
-    Without GQA, a 16-bit forward with a fused rotary at 64-token blocks and D = 128 fed fp32 angles, or at
-    128-token blocks and D = 64 fed angles in the inputs' dtype (no in-block option), runs up to 4 query heads a
-    program (the largest divisor of ``num_heads`` up to 4), each on its own k and v, on the block's angles read
-    once, its loop two stages deep, 4 warps: every program re-read the block's 32 KiB of angles from L2, half again
-    the bytes of its q, k, v and output tiles. At `ads` lengths (2026-11-25), one head a program against four, two
-    stages: H100 8 heads 1.10x -> 1.02x the floor, 4 heads 1.08x -> 1.01x, 3 heads (3 a program) 1.07x -> 1.02x;
-    H200 8 heads 1.34x -> 1.19x, 4 heads 1.30x -> 1.15x. With bf16 angles it tied on the H100 (0.99x -> 1.00x) and
-    lost on the H200 (1.10x -> 1.18x); three stages lost everywhere (H100 8 heads 1.11x; H200, 2026-11-29, 8 heads
-    1.28x -> 1.56x). At 128-token blocks and D = 64, H200, the sweep's lengths, 8 heads: bf16 angles 2.38x ->
-    1.95x (2026-11-29, 07:18-07:23 UTC, twice; 8 heads three stages 2.04x, 8 warps 2.42x); fp32 angles 2.33x ->
-    2.01x (2026-11-28), since taken by the rule below.
+    Without GQA, a 16-bit forward with a fused rotary at 64-token blocks and D = 128 fed fp32 angles, or at 128-token
+    blocks and D = 64 fed angles in the inputs' dtype (no in-block option), runs up to 4 query heads a program (the
+    largest divisor of ``num_heads`` up to 4), each on its own k and v, on the block's angles read once, its loop two
+    stages deep, 4 warps: every program re-read the block's angles from L2 (32 KiB in fp32, half again the bytes of its
+    q, k, v and output tiles). At `ads` lengths (2026-11-25), one head a program against four, two stages: H100 8 heads
+    1.10x -> 1.02x the floor, 4 heads 1.08x -> 1.01x, 3 heads (3 a program) 1.07x -> 1.02x; H200 8 heads 1.34x -> 1.19x,
+    4 heads 1.30x -> 1.15x. With bf16 angles it tied on the H100 (0.99x -> 1.00x) and lost on the H200 (1.10x -> 1.18x);
+    three stages lost everywhere (H100 8 heads 1.11x; H200, 2026-11-29, 8 heads 1.28x -> 1.56x). At 128-token blocks and
+    D = 64, H200, the sweep's lengths, 8 heads: bf16 angles 2.38x -> 1.95x (2026-11-29, 07:18-07:23 UTC, twice; 8 heads
+    three stages 2.04x, 8 warps 2.42x); fp32 angles 2.33x -> 2.01x (2026-11-28), since taken by the rule below.
 
     Without GQA, the rotary forward (no in-block option) runs up to 8 query heads a program (the largest divisor of
     ``num_heads`` up to 8), each on its own k and v, on the tile's angles read once, its loop three stages deep, on
     64-row tiles (64-token blocks, and 16- and 32-token blocks four or two to a tile) for fp8 inputs up to D = 128
     and for 16-bit inputs up to D = 64 with fp32 angles, or with angles in their dtype at D = 32 on packed tiles;
-    and with 8 warps at 128-token blocks, D = 64, 16-bit inputs and fp32 angles. One head a program read the
-    tile's angles once a head. H200, the sweep's lengths, 8 heads, over the floor, the rules before against 8
+    and with 8 warps at 128-token blocks, D = 64, 16-bit inputs and fp32 angles, where it takes 136 KiB of shared
+    memory (GPUs with less, sm_86 and sm_89, keep the 4 heads of the rule above: 88 KiB). One head a program read
+    the tile's angles once a head. H200, the sweep's lengths, 8 heads, over the floor, the rules before against 8
     heads three stages deep (2026-11-29, ``kernel_config`` patched in a `.gpu` script, 07:03-07:23 UTC): bf16
     with fp32 angles, 16-token blocks D = 32 2.05x -> 1.50x, D = 64 1.61x -> 1.29x; 32-token blocks 1.93x ->
     1.47x, 1.52x -> 1.27x; 64-token blocks 1.43x -> 1.35x, 1.29x -> 1.10x; 128-token blocks at D = 64 2.03x ->
@@ -198,10 +200,11 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     1.67x, 1.63x (bf16 angles 2.58x, 2.20x, 1.84x -> 1.75x, 1.70x, 1.66x); bf16 with bf16 angles at D = 32 on
     packed tiles 1.99-2.10x -> 1.61-1.64x. With bf16 angles elsewhere it lost or won little (64-token blocks D =
     32 1.36x -> 1.58x; D = 64 1.28-1.50x -> 1.23-1.46x), and so it did for 16 bits at D = 128 (1.18-1.49x ->
-    1.43-1.72x; two stages 1.27-1.39x) and at 128-token blocks and D = 32 with fp32 angles (2.22x -> 2.26x; bf16
-    angles 2.53x -> 2.31x, not taken). Four stages tied or lost (but at 64-token blocks and D = 32, 1.31x against
-    1.35x; fp8 at D = 128 2.28-2.52x); two and six lost, and so did 8 warps on 64-row tiles, everywhere. Not
-    measured on an H100.
+    1.43-1.72x) and at 128-token blocks and D = 32 with fp32 angles (2.22x -> 2.26x). Left out, measured once:
+    bf16 angles at 128-token blocks and D = 32 (2.53x -> 2.31x), and two stages at D = 128 (1.27-1.39x; with bf16
+    angles at 16-token blocks 1.49x -> 1.39x). Four stages tied or lost (but at 64-token blocks and D = 32,
+    1.31x against 1.35x; fp8 at D = 128 2.28-2.52x); two and six lost, and so did 8 warps on 64-row tiles,
+    everywhere. Not measured on an H100.
 
     The plain forward without GQA on small tiles (16-bit or fp8 inputs; 16- and 32-token blocks, one a program, at
     D = 32 to 128; 64-token blocks at D = 32, and for fp8 at D = 64; no in-block option) runs 4 query heads a
@@ -218,12 +221,12 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     32-token blocks D = 32 2.85x -> 2.25x (2.12x), D = 64 1.88x -> 1.55x (1.49x), D = 128 1.47x -> 1.42x (1.32x);
     64-token blocks D = 32 1.70x -> 1.46x (1.45x), D = 64 1.41x -> 1.24x (1.39x). Not measured on an H100.
 
-    Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks, but for the groups and heads a
-    program above), slices wider than 64 x 128, or, at 64-token blocks, dk and dv accumulators of 128+ columns across
-    a GQA group; else 4, which beat 2 and 8 at 64-token blocks (an H200 without GQA; on an H100 8 lose by 1.8x at
-    D = 64 under GQA). The 16-bit forward with a fused rotary under GQA, one program per query head, takes 8 at
-    64-token blocks and D >= 128 (measured at D = 128 before the group loop: 1.32x against 1.55x at 4:1; it now
-    applies to D > 128 with in-block options), else 4.
+    Warps: 8 where a program holds a 128 x 128 fp32 score tile (128-token blocks, but for the groups and heads a program
+    above other than the rotary's 8 heads at D = 64), slices wider than 64 x 128, or, at 64-token blocks, dk and dv
+    accumulators of 128+ columns across a GQA group; else 4, which beat 2 and 8 at 64-token blocks (an H200 without GQA;
+    on an H100 8 lose by 1.8x at D = 64 under GQA). The 16-bit forward with a fused rotary under GQA, one program per
+    query head, takes 8 at 64-token blocks and D >= 128 (measured at D = 128 before the group loop: 1.32x against 1.55x
+    at 4:1; it now applies to D > 128 with in-block options), else 4.
     16- and 32-token blocks keep 4 where they run one block a program (measured only for the rotary forward past
     D = 128 above, where 8 lost); in 64-row tiles the launcher asks for the 64-token rule (``tiles.blocks_per_tile``).
 
@@ -260,17 +263,22 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                          and chunk >= block_d else 1)
     # The forward without GQA, whole rows, no in-block option: where several query heads a program pay (below)
     mha_whole_rows = not backward and group == 1 and chunk >= block_d and not in_block_bits
-    mha_rotary_heads = (mha_whole_rows and rotary and element_size == 2
-                        and (block_size, block_d) == ((64, 128) if fp32_angles else (128, 64)))
+    # 128-token blocks at D = 64 with fp32 angles: 8 heads three stages deep take 136 KiB of shared memory (sm_80,
+    # sm_90; not sm_86/89), else the 4 heads of the rule below (88 KiB)
+    wide_tile_many_heads = (block_size == 128 and block_d == 64 and element_size == 2 and fp32_angles
+                            and (shared_memory is None or shared_memory >= 136 * 1024))
+    mha_rotary_heads = mha_whole_rows and rotary and element_size == 2 and (
+        ((block_size, block_d) == (64, 128) and fp32_angles)
+        or ((block_size, block_d) == (128, 64) and not wide_tile_many_heads))
     if mha_rotary_heads:
         heads_per_program = _largest_divisor(num_heads, 4)
-    # Up to 8 heads a program, three stages deep: the rotary forward on 64-row tiles (fp8 up to D = 128, 16 bits up
-    # to D = 64) and, with fp32 angles, at 128-token blocks and D = 64
+    # Up to 8 heads a program, three stages deep: the rotary forward on 64-row tiles (fp8 up to D = 128; 16 bits up
+    # to D = 64 with fp32 angles, or at D = 32 on packed tiles) and at 128-token blocks above
     mha_rotary_many_heads = mha_whole_rows and rotary and (
         (block_size == 64 and element_size == 1 and block_d <= 128)
         or (block_size == 64 and element_size == 2 and block_d <= 64
             and (fp32_angles or (block_d == 32 and blocks > 1)))
-        or (block_size == 128 and element_size == 2 and block_d == 64 and fp32_angles))
+        or wide_tile_many_heads)
     if mha_rotary_many_heads:
         heads_per_program = _largest_divisor(num_heads, 8)
     # The plain 16-bit or fp8 forward on small tiles, each query head on its own k and v
@@ -373,7 +381,7 @@ def _fwd_rotary_block(q_ptr, k_base, v_base, o_ptr, sinu_ptr, start, head, rows,
                       HEADS: tl.constexpr, SHARED_KV: tl.constexpr, GROUP_STAGES: tl.constexpr, keys):
     """The forward of one (block, head) on pair halves, the operands named by ROTATE turned after loading (fp8
     inputs: in fp16, ``out_factor`` their output's descale); with ``HEADS`` > 1 (one slice), of query heads
-    ``head ...`` on the block's angles read once, and on k and v read and turned once where they share them
+    ``head ...`` on the tile's angles read once, and on k and v read and turned once where they share them
     (``SHARED_KV``: GQA), else each on its own."""
     PAIRS: tl.constexpr = CHUNK // 2
     elem_ty: tl.constexpr = q_ptr.dtype.element_ty
@@ -1003,7 +1011,8 @@ def block_attention_fwd_triton(
     tile = block_size * blocks
     cfg = kernel_config(tile, d, backward=False, group=group, element_size=q.element_size(),
                         rotary=bool(rotate), in_block_bits=options.bits, num_heads=hq,
-                        fp32_angles=rotate != 0 and sinu_pos.dtype == torch.float32, blocks=blocks)
+                        fp32_angles=rotate != 0 and sinu_pos.dtype == torch.float32, blocks=blocks,
+                        shared_memory=devices.shared_memory_limit(q.device) if q.is_cuda else None)
     fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
     if fp8_dot and not fp8_qk_possible:
         raise ValueError("fp8_dot needs fp8 inputs, no rotary and head-dim slices at least 32 wide")

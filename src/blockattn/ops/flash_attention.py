@@ -94,12 +94,6 @@ def block_d(head_dim: int, fp8: bool) -> int:
     return max(32 if fp8 else 16, triton.next_power_of_2(head_dim))
 
 
-@functools.cache
-def shared_memory_limit(device: torch.device) -> int:
-    props = torch.cuda.get_device_properties(device)
-    return getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
-
-
 @functools.cache  # the dispatcher's check and the launch ask the same question on every call
 def flash_config(variant: str, capability: tuple[int, int], head_dim: int, fp8: bool,
                  shared_limit: int, causal: bool) -> tuple[FlashConfig | None, str | None]:
