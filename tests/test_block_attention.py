@@ -491,7 +491,7 @@ def test_forward_rotary_heads_per_program_on_narrow_tiles():
     """Without GQA and options, the rotary forward runs up to 8 query heads a program three stages deep, on the
     tile's angles read once: on 64-row tiles (64-token blocks, and 16- and 32-token blocks four or two to a tile)
     for fp8 inputs up to D = 128, and for 16-bit inputs up to D = 64 with fp32 angles or at D = 32 on packed tiles;
-    at 128-token blocks and D = 64 with fp32 angles (8 warps) where a program may take 136 KiB of shared memory
+    at 128-token blocks and D = 64 with fp32 angles (8 warps) where a program may take 144 KiB of shared memory
     (measured faster on an H200); elsewhere the rules before. The rule's launch gives the output of one head a
     program, on odd lengths, 16-bit and fp8, both kinds of angles."""
     def rule(**changes):
@@ -510,10 +510,10 @@ def test_forward_rotary_heads_per_program_on_narrow_tiles():
     assert rule(fp32_angles=False, head_dim=32) == rule(fp32_angles=False, head_dim=32, block_size=32) == (8, 3, 4)
     assert rule(num_heads=12)[0] == 6 and rule(num_heads=5)[0] == 5 and rule(num_heads=7) == (7, 3, 4)
     assert rule(num_heads=11) == (1, 1, 4)
-    # 136 KiB of shared memory at 128-token blocks: a GPU with less (sm_86, sm_89) keeps 4 heads, two stages
-    assert rule(block_size=128, shared_memory=136 * 1024) == (8, 3, 8)
+    # 144 KiB of shared memory at 128-token blocks: a GPU with less (sm_86, sm_89) keeps 4 heads, two stages
+    assert rule(block_size=128, shared_memory=144 * 1024) == (8, 3, 8)
     assert rule(block_size=128, shared_memory=99 * 1024) == rule(block_size=128, fp32_angles=False) == (4, 2, 4)
-    assert rule(shared_memory=99 * 1024) == (8, 3, 4)  # 64-row tiles take at most 88 KiB
+    assert rule(shared_memory=99 * 1024) == (8, 3, 4)  # 64-row tiles take at most 88 KiB (sm_90, triton 3.9)
     for other, before in (({"fp32_angles": False}, (1, 1, 4)),
                           ({"fp32_angles": False, "head_dim": 32, "block_size": 64}, (1, 1, 4)),
                           ({"head_dim": 128}, (4, 2, 4)), ({"block_size": 128, "head_dim": 32}, (1, 1, 8)),
@@ -544,6 +544,27 @@ def test_forward_rotary_heads_per_program_on_narrow_tiles():
                                                                            angles, ROTATE_ALL, PLAIN, scales,
                                                                            heads_per_program=per)
                                      for per in (None, 1)), atol=unit, rtol=unit)
+
+
+def test_forward_rules_fit_99_kib_of_shared_memory():
+    """Where a GPU's programs may take about 99 KiB of shared memory (sm_86, sm_89), the forward rules that take more
+    give way (ptxas offline; triton 3.6 for sm_90, triton 3.9 for sm_86): the 16-bit rotary forward under GQA past
+    D = 128 at 64-token blocks (the group in a program: 128 KiB on sm_90, 112 on sm_86) to two head-dim slices and a
+    program per query head (32 and 24 KiB); the rotary's 8 heads at 128-token blocks and D = 64 (144 and 120 KiB)
+    to 4 heads two stages deep (96 and 72 KiB). Hopper's 227 KiB, and no limit (Triton's interpreter), keep the
+    rules."""
+    def cfg(block_size, head_dim, group, shared_memory):
+        c = triton_ops.kernel_config(block_size, head_dim, backward=False, group=group, rotary=True,
+                                     fp32_angles=True, num_heads=8, shared_memory=shared_memory)
+        return c["HEADS_PER_PROGRAM"], c["NUM_CHUNKS"], c["NUM_WARPS"], c["GROUP_STAGES"]
+    small, hopper = 99 * 1024, 227 * 1024
+    for group in (2, 4, 8):
+        assert cfg(64, 256, group, None) == cfg(64, 256, group, hopper) == (group, 1, 8, 2)
+        assert cfg(64, 256, group, small) == (1, 2, 8, 1)
+    # One 16- or 32-token block a program takes the group in 20-40 KiB: kept
+    assert cfg(32, 256, 4, small) == cfg(32, 256, 4, None) == (4, 1, 4, 1)
+    assert cfg(128, 64, 1, None) == cfg(128, 64, 1, hopper) == (8, 1, 8, 3)
+    assert cfg(128, 64, 1, small) == (4, 1, 4, 2)
 
 
 def test_forward_heads_per_program_without_gqa_on_small_tiles():

@@ -171,6 +171,20 @@ def test_more_than_2_pow_31_elements(hq, hkv, rotary, gpu_memory_alone):
         assert snr_db(got[tail:], ref) > 40
 
 
+@pytest.mark.parametrize("block_size,heads,head_dim", [(64, (8, 2), 256), (128, (8, 8), 64)])
+def test_forward_fallbacks_for_99_kib_of_shared_memory(block_size, heads, head_dim, monkeypatch, poisoned_outputs):
+    """The forward rules that take more shared memory than sm_86 and sm_89 give (``kernel_config``: the rotary
+    forward under GQA past D = 128 at 64-token blocks, the rotary's 8 heads at 128-token blocks) give way to smaller
+    programs there; those run here with this GPU's limit faked to 99 KiB, forward and backward within 2x PyTorch's
+    error."""
+    monkeypatch.setattr(devices, "shared_memory_limit", lambda device: 99 * 1024)
+    q, k, v, do, offsets = random_inputs(odd_lengths(block_size) + [300, 517], *heads, head_dim, torch.bfloat16,
+                                         "cuda")
+    sinu_pos = random_angles(q.shape[0], head_dim, torch.float32, "cuda")
+    assert_within_2x_pytorch(public_op(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos), q, k, v, do, offsets,
+                             block_size, sinu_pos=sinu_pos, rotate=ROTATE_ALL)
+
+
 @pytest.mark.parametrize("call", [
     "blockattn.block_attention(q, q, q, torch.tensor([1, 7, 10], device='cuda'))",
     "blockattn.block_attention(q, q, q, torch.tensor([0, 7, 3, 10], device='cuda', dtype=torch.int32))",

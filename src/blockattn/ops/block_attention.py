@@ -187,24 +187,23 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
 
     Without GQA, the rotary forward (no in-block option) runs up to 8 query heads a program (the largest divisor of
     ``num_heads`` up to 8), each on its own k and v, on the tile's angles read once, its loop three stages deep, on
-    64-row tiles (64-token blocks, and 16- and 32-token blocks four or two to a tile) for fp8 inputs up to D = 128
-    and for 16-bit inputs up to D = 64 with fp32 angles, or with angles in their dtype at D = 32 on packed tiles;
-    and with 8 warps at 128-token blocks, D = 64, 16-bit inputs and fp32 angles, where it takes 136 KiB of shared
-    memory (GPUs with less, sm_86 and sm_89, keep the 4 heads of the rule above: 88 KiB). One head a program read
-    the tile's angles once a head. H200, the sweep's lengths, 8 heads, over the floor, the rules before against 8
-    heads three stages deep (2026-11-29, ``kernel_config`` patched in a `.gpu` script, 07:03-07:23 UTC): bf16
-    with fp32 angles, 16-token blocks D = 32 2.05x -> 1.50x, D = 64 1.61x -> 1.29x; 32-token blocks 1.93x ->
-    1.47x, 1.52x -> 1.27x; 64-token blocks 1.43x -> 1.35x, 1.29x -> 1.10x; 128-token blocks at D = 64 2.03x ->
-    1.82x (twice; 4 warps 2.76x); fp8 up to D = 64 with fp32 angles 1.75-3.29x -> 1.67-2.19x (bf16 angles
-    1.76-3.49x -> 1.74-2.33x, four stages), at D = 128 16-, 32- and 64-token blocks 2.41x, 2.27x, 1.72x -> 1.72x,
-    1.67x, 1.63x (bf16 angles 2.58x, 2.20x, 1.84x -> 1.75x, 1.70x, 1.66x); bf16 with bf16 angles at D = 32 on
-    packed tiles 1.99-2.10x -> 1.61-1.64x. With bf16 angles elsewhere it lost or won little (64-token blocks D =
-    32 1.36x -> 1.58x; D = 64 1.28-1.50x -> 1.23-1.46x), and so it did for 16 bits at D = 128 (1.18-1.49x ->
-    1.43-1.72x) and at 128-token blocks and D = 32 with fp32 angles (2.22x -> 2.26x). Left out, measured once:
-    bf16 angles at 128-token blocks and D = 32 (2.53x -> 2.31x), and two stages at D = 128 (1.27-1.39x; with bf16
-    angles at 16-token blocks 1.49x -> 1.39x). Four stages tied or lost (but at 64-token blocks and D = 32,
-    1.31x against 1.35x; fp8 at D = 128 2.28-2.52x); two and six lost, and so did 8 warps on 64-row tiles,
-    everywhere. Not measured on an H100.
+    64-row tiles (64-token blocks, and 16- and 32-token blocks four or two to a tile) for fp8 inputs up to D = 128 and
+    for 16-bit inputs up to D = 64 with fp32 angles, or with angles in their dtype at D = 32 on packed tiles; and with 8
+    warps at 128-token blocks, D = 64, 16-bit inputs and fp32 angles, where it takes 144 KiB of shared memory (ptxas for
+    sm_90, triton 3.6; GPUs whose programs may take less, sm_86 and sm_89, keep the 4 heads of the rule above: 96 KiB).
+    One head a program read the tile's angles once a head. H200, the sweep's lengths, 8 heads, over the floor, the rules
+    before against 8 heads three stages deep (2026-11-29, ``kernel_config`` patched in a `.gpu` script, 07:03-07:23
+    UTC): bf16 with fp32 angles, 16-token blocks D = 32 2.05x -> 1.50x, D = 64 1.61x -> 1.29x; 32-token blocks 1.93x ->
+    1.47x, 1.52x -> 1.27x; 64-token blocks 1.43x -> 1.35x, 1.29x -> 1.10x; 128-token blocks at D = 64 2.03x -> 1.82x
+    (twice; 4 warps 2.76x); fp8 up to D = 64 with fp32 angles 1.75-3.29x -> 1.67-2.19x (bf16 angles 1.76-3.49x ->
+    1.74-2.33x, four stages), at D = 128 16-, 32- and 64-token blocks 2.41x, 2.27x, 1.72x -> 1.72x, 1.67x, 1.63x (bf16
+    angles 2.58x, 2.20x, 1.84x -> 1.75x, 1.70x, 1.66x); bf16 with bf16 angles at D = 32 on packed tiles 1.99-2.10x ->
+    1.61-1.64x. With bf16 angles elsewhere it lost or won little (64-token blocks D = 32 1.36x -> 1.58x; D = 64
+    1.28-1.50x -> 1.23-1.46x), and so it did for 16 bits at D = 128 (1.18-1.49x -> 1.43-1.72x) and at 128-token blocks
+    and D = 32 with fp32 angles (2.22x -> 2.26x). Left out, measured once: bf16 angles at 128-token blocks and D = 32
+    (2.53x -> 2.31x), and two stages at D = 128 (1.27-1.39x; with bf16 angles at 16-token blocks 1.49x -> 1.39x). Four
+    stages tied or lost (but at 64-token blocks and D = 32, 1.31x against 1.35x; fp8 at D = 128 2.28-2.52x); two and six
+    lost, and so did 8 warps on 64-row tiles, everywhere. Not measured on an H100.
 
     The plain forward without GQA on small tiles (16-bit or fp8 inputs; 16- and 32-token blocks, one a program, at
     D = 32 to 128; 64-token blocks at D = 32, and for fp8 at D = 64; no in-block option) runs 4 query heads a
@@ -237,8 +236,11 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     min_width = min_chunk(rotary)
     block_d = max(min_width, triton.next_power_of_2(head_dim))
     # The 16-bit rotary forward under GQA past D = 128, without in-block options: whole rows, the group in a program
+    # (at 64-token blocks where a program may take the 128 KiB of shared memory it needs: Hopper, the A100; not
+    # sm_86/89, whose programs run two head-dim slices and a query head each, 32 KiB)
     wide_rotary_group = (not backward and rotary and group > 1 and element_size == 2 and block_d > 128
-                         and block_size <= 64 and not in_block_bits)
+                         and block_size <= 64 and not in_block_bits
+                         and (block_size < 64 or shared_memory is None or shared_memory >= 128 * 1024))
     pipelined = (backward and persistent and not rotary and block_size == 64 and 64 < block_d <= 128
                  and element_size == 2)
     wide_gqa = group > 1 and element_size == 2 and (block_size == 128 or (block_size == 64 and block_d > 128))
@@ -263,10 +265,10 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
                          and chunk >= block_d else 1)
     # The forward without GQA, whole rows, no in-block option: where several query heads a program pay (below)
     mha_whole_rows = not backward and group == 1 and chunk >= block_d and not in_block_bits
-    # 128-token blocks at D = 64 with fp32 angles: 8 heads three stages deep take 136 KiB of shared memory (sm_80,
-    # sm_90; not sm_86/89), else the 4 heads of the rule below (88 KiB)
+    # 128-token blocks at D = 64 with fp32 angles: 8 heads three stages deep take 144 KiB of shared memory (Hopper,
+    # the A100; not sm_86/89), else the 4 heads of the rule below (96 KiB)
     wide_tile_many_heads = (block_size == 128 and block_d == 64 and element_size == 2 and fp32_angles
-                            and (shared_memory is None or shared_memory >= 136 * 1024))
+                            and (shared_memory is None or shared_memory >= 144 * 1024))
     mha_rotary_heads = mha_whole_rows and rotary and element_size == 2 and (
         ((block_size, block_d) == (64, 128) and fp32_angles)
         or ((block_size, block_d) == (128, 64) and not wide_tile_many_heads))
