@@ -513,7 +513,8 @@ def test_forward_rotary_heads_per_program_on_narrow_tiles():
     # 144 KiB of shared memory at 128-token blocks: a GPU with less (sm_86, sm_89) keeps 4 heads, two stages
     assert rule(block_size=128, shared_memory=144 * 1024) == (8, 3, 8)
     assert rule(block_size=128, shared_memory=99 * 1024) == rule(block_size=128, fp32_angles=False) == (4, 2, 4)
-    assert rule(shared_memory=99 * 1024) == (8, 3, 4)  # 64-row tiles take at most 88 KiB (sm_90, triton 3.9)
+    # 64-row tiles take at most 88 KiB (sm_86 and sm_90, triton 3.9)
+    assert rule(shared_memory=99 * 1024) == (8, 3, 4)
     for other, before in (({"fp32_angles": False}, (1, 1, 4)),
                           ({"fp32_angles": False, "head_dim": 32, "block_size": 64}, (1, 1, 4)),
                           ({"head_dim": 128}, (4, 2, 4)), ({"block_size": 128, "head_dim": 32}, (1, 1, 8)),
@@ -548,11 +549,11 @@ def test_forward_rotary_heads_per_program_on_narrow_tiles():
 
 def test_forward_rules_fit_99_kib_of_shared_memory():
     """Where a GPU's programs may take about 99 KiB of shared memory (sm_86, sm_89), the forward rules that take more
-    give way (ptxas offline; triton 3.6 for sm_90, triton 3.9 for sm_86): the 16-bit rotary forward under GQA past
-    D = 128 at 64-token blocks (the group in a program: 128 KiB on sm_90, 112 on sm_86) to two head-dim slices and a
-    program per query head (32 and 24 KiB); the rotary's 8 heads at 128-token blocks and D = 64 (144 and 120 KiB)
-    to 4 heads two stages deep (96 and 72 KiB). Hopper's 227 KiB, and no limit (Triton's interpreter), keep the
-    rules."""
+    give way (the compiled kernels' shared memory, offline; triton 3.6 for sm_90, 3.9 for sm_86): the 16-bit rotary
+    forward under GQA past D = 128 at 64-token blocks (the group in a program: 128 KiB on sm_90, 112 on sm_86) to
+    two head-dim slices and a program per query head (32 and 24 KiB); the rotary's 8 heads at 128-token blocks and
+    D = 64 (144 and 120 KiB) to 4 heads two stages deep (96 and 72 KiB). Hopper's 227 KiB, and no limit (Triton's
+    interpreter), keep the rules."""
     def cfg(block_size, head_dim, group, shared_memory):
         c = triton_ops.kernel_config(block_size, head_dim, backward=False, group=group, rotary=True,
                                      fp32_angles=True, num_heads=8, shared_memory=shared_memory)

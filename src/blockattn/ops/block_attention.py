@@ -189,8 +189,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     ``num_heads`` up to 8), each on its own k and v, on the tile's angles read once, its loop three stages deep, on
     64-row tiles (64-token blocks, and 16- and 32-token blocks four or two to a tile) for fp8 inputs up to D = 128 and
     for 16-bit inputs up to D = 64 with fp32 angles, or with angles in their dtype at D = 32 on packed tiles; and with 8
-    warps at 128-token blocks, D = 64, 16-bit inputs and fp32 angles, where it takes 144 KiB of shared memory (ptxas for
-    sm_90, triton 3.6; GPUs whose programs may take less, sm_86 and sm_89, keep the 4 heads of the rule above: 96 KiB).
+    warps at 128-token blocks, D = 64, 16-bit inputs and fp32 angles, where it takes 144 KiB of shared memory (sm_90,
+    triton 3.6; GPUs whose programs may take less, sm_86 and sm_89, keep the 4 heads of the rule above: 72 KiB there).
     One head a program read the tile's angles once a head. H200, the sweep's lengths, 8 heads, over the floor, the rules
     before against 8 heads three stages deep (2026-11-29, ``kernel_config`` patched in a `.gpu` script, 07:03-07:23
     UTC): bf16 with fp32 angles, 16-token blocks D = 32 2.05x -> 1.50x, D = 64 1.61x -> 1.29x; 32-token blocks 1.93x ->
@@ -237,7 +237,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     block_d = max(min_width, triton.next_power_of_2(head_dim))
     # The 16-bit rotary forward under GQA past D = 128, without in-block options: whole rows, the group in a program
     # (at 64-token blocks where a program may take the 128 KiB of shared memory it needs: Hopper, the A100; not
-    # sm_86/89, whose programs run two head-dim slices and a query head each, 32 KiB)
+    # sm_86/89, whose programs run two head-dim slices and a query head each, 24 KiB there)
     wide_rotary_group = (not backward and rotary and group > 1 and element_size == 2 and block_d > 128
                          and block_size <= 64 and not in_block_bits
                          and (block_size < 64 or shared_memory is None or shared_memory >= 128 * 1024))
@@ -266,7 +266,7 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     # The forward without GQA, whole rows, no in-block option: where several query heads a program pay (below)
     mha_whole_rows = not backward and group == 1 and chunk >= block_d and not in_block_bits
     # 128-token blocks at D = 64 with fp32 angles: 8 heads three stages deep take 144 KiB of shared memory (Hopper,
-    # the A100; not sm_86/89), else the 4 heads of the rule below (96 KiB)
+    # the A100; not sm_86/89), else the 4 heads of the rule below (72 KiB on sm_86)
     wide_tile_many_heads = (block_size == 128 and block_d == 64 and element_size == 2 and fp32_angles
                             and (shared_memory is None or shared_memory >= 144 * 1024))
     mha_rotary_heads = mha_whole_rows and rotary and element_size == 2 and (
