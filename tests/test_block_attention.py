@@ -445,6 +445,14 @@ def test_forward_heads_per_program_override(dtype):
         forward(head_dim=128, block_size=128, heads_per_program=2)
 
 
+def launched_forward_config(block_size, head_dim, group=1, rotary=False, in_block_bits=0, **kwargs):
+    """``kernel_config`` as the forward's launcher asks it: 16- and 32-token blocks in the 64-row tiles where
+    ``tiles.blocks_per_tile`` packs them."""
+    blocks = tiles.blocks_per_tile(block_size, head_dim, group, rotary, in_block_bits, backward=False)
+    return triton_ops.kernel_config(block_size * blocks, head_dim, backward=False, group=group, rotary=rotary,
+                                    in_block_bits=in_block_bits, blocks=blocks, **kwargs)
+
+
 def test_forward_rotary_four_heads_per_program_without_gqa():
     """Without GQA, a 16-bit rotary forward at 64-token blocks and D = 128 fed fp32 angles, or at 128-token blocks
     and D = 64 fed angles in the inputs' dtype (no option), runs up to 4 query heads a program, two stages deep, 4
@@ -497,10 +505,7 @@ def test_forward_rotary_heads_per_program_on_narrow_tiles():
     def rule(**changes):
         args = {"rotary": True, "fp32_angles": True, "num_heads": 8, "element_size": 2, "in_block_bits": 0,
                 "head_dim": 64, "block_size": 16} | changes
-        block_size = args.pop("block_size")
-        blocks = tiles.blocks_per_tile(block_size, args["head_dim"], 1, True, args["in_block_bits"], backward=False)
-        cfg = triton_ops.kernel_config(block_size * blocks, args.pop("head_dim"), backward=False, blocks=blocks,
-                                       **args)
+        cfg = launched_forward_config(args.pop("block_size"), args.pop("head_dim"), **args)
         return cfg["HEADS_PER_PROGRAM"], cfg["GROUP_STAGES"], cfg["NUM_WARPS"]
     assert rule() == rule(block_size=32) == rule(block_size=64) == rule(head_dim=32) == (8, 3, 4)
     assert rule(head_dim=16) == rule(head_dim=40) == (8, 3, 4)  # padded to 32 and 64
@@ -607,11 +612,7 @@ def test_forward_rotary_pair_of_heads_runs_one_stage_under_a_cap():
     def rule(**changes):
         args = {"rotary": True, "fp32_angles": True, "group": 2, "element_size": 2, "in_block_bits": 0,
                 "head_dim": 128, "block_size": 64} | changes
-        block_size = args.pop("block_size")
-        blocks = tiles.blocks_per_tile(block_size, args["head_dim"], args["group"], args["rotary"],
-                                       args["in_block_bits"], backward=False)
-        cfg = triton_ops.kernel_config(block_size * blocks, args.pop("head_dim"), backward=False, blocks=blocks,
-                                       **args)
+        cfg = launched_forward_config(args.pop("block_size"), args.pop("head_dim"), **args)
         return cfg["HEADS_PER_PROGRAM"], cfg["GROUP_STAGES"], cfg["MAXNREG"]
     assert rule() == (2, 1, 168)
     for other in ({"fp32_angles": False}, {"group": 4}, {"group": 1}, {"head_dim": 64}, {"block_size": 32},
