@@ -1,6 +1,7 @@
 """Block attention against the float64 reference: Triton kernels (interpreter on CPU, real on GPU) and the PyTorch
 CPU path, through the launchers and through the public autograd op."""
 
+import itertools
 import re
 from dataclasses import replace
 
@@ -23,6 +24,7 @@ from conftest import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from triton.runtime.errors import OutOfResources
 
 import blockattn
 from blockattn import backends
@@ -38,6 +40,7 @@ from blockattn.block_table import (
 from blockattn.ops import block_attention as triton_ops
 from blockattn.ops import fp8, in_block, tiles
 from blockattn.ops.in_block import PLAIN
+from blockattn.ops.launch import launch
 from blockattn.ops.tiles import ROTATE_ALL
 from blockattn.reference import block_attention_reference, quantised_fp8
 
@@ -337,6 +340,66 @@ def test_kernels_persistent_backward(grad_layout, hq, hkv, poisoned_outputs):
     if grad_layout == "transposed":
         do = do.transpose(0, 1).contiguous().transpose(0, 1)
     assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, 64), q, k, v, do, offsets, 64)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+def test_lean_config_adds_nothing_that_holds_shared_memory(backward):
+    """``kernel_config(lean=True)``, where the launchers go when the GPU cannot run the rule's program: one query head
+    a program, no pipelined loop, slices of at most 64 x 128 elements (64 x 64 in the backward), over every block
+    size, head dim, GQA group, dtype, angles and in-block option the rules tell apart."""
+    for block_size, head_dim, group, element_size, rotary, fp32_angles, bits, blocks in itertools.product(
+            (16, 64, 128), (16, 32, 64, 96, 128, 256), (1, 2, 8), (1, 2, 4), (False, True), (False, True), (0, 7),
+            (1, 4)):
+        if blocks > 1 and block_size != 64 or (backward and element_size == 1):
+            continue
+        args = {"group": group, "element_size": element_size, "rotary": rotary, "in_block_bits": bits,
+                "num_heads": 8, "fp32_angles": fp32_angles, "blocks": blocks}
+        lean = triton_ops.kernel_config(block_size, head_dim, backward, lean=True, **args)
+        assert (lean["HEADS_PER_PROGRAM"], lean["GROUP_STAGES"], lean["PIPELINE_STAGES"], lean["MAXNREG"]) == \
+               (1, 1, 1, None), (block_size, head_dim, args)
+        assert block_size * lean["CHUNK"] <= (64 * 64 if backward else 64 * 128), (block_size, head_dim, args)
+
+
+FWD, BWD = triton_ops._block_attention_fwd_kernel, triton_ops._block_attention_bwd_kernel
+PERSISTENT = triton_ops._block_attention_bwd_persistent_kernel
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim,fallbacks", [
+    (4, 1, 64, [((FWD, None), (FWD, None)), ((BWD, None), (BWD, None))]),
+    (2, 2, 128, [((PERSISTENT, 3), (BWD, None))]),
+    (4, 2, 128, [((FWD, None), (FWD, None)), ((PERSISTENT, 3), (PERSISTENT, 2))]),
+], ids=["gqa-d64", "mha-d128", "gqa-d128"])
+def test_launchers_fall_back_where_the_gpu_cannot_run_the_rule(hq, hkv, head_dim, fallbacks, monkeypatch,
+                                                              poisoned_outputs):
+    """Where the GPU cannot run the rule's program (Triton's ``OutOfResources`` at its first launch: the pipelined
+    backward's 144-160 KiB of shared memory on sm_86, which gives 99), the launchers fall back to ``kernel_config``'s
+    lean configuration, under GQA the persistent backward to two stages first. Here every launch of more than one
+    head a program, a GQA loop pipelined or the persistent kernel three stages deep is refused as a GPU would refuse
+    it: GQA 4:1 at D = 64 (the forward's group in a program, the backward's loop two stages deep), D = 128 (the
+    persistent backward; under GQA 2:1 the forward's group too). ``fallbacks``: (kernel, stages) refused, then the
+    (kernel, stages) that ran. A launch tuned by hand is not changed: its error reaches the caller."""
+    launches = []
+
+    def launch_refusing_rich_programs(kernel, grid, **kwargs):
+        stages = kwargs.get("PIPELINE_STAGES")
+        rich = kwargs.get("HEADS_PER_PROGRAM", 1) > 1 or kwargs.get("GROUP_STAGES", 1) > 1 or stages == 3
+        launches.append(((kernel, stages), not rich))
+        if rich:
+            raise OutOfResources(160 * 1024, 99 * 1024, "shared memory")
+        launch(kernel, grid, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "launch", launch_refusing_rich_programs)
+    q, k, v, do, offsets = random_inputs(odd_lengths(64) + [130], hq, hkv, head_dim, torch.float16, KERNEL_DEVICE)
+    assert_within_2x_pytorch(run_kernels(q, k, v, do, offsets, 64), q, k, v, do, offsets, 64)
+    for refused, fallback in fallbacks:
+        assert launches[launches.index((refused, False)) + 1] == (fallback, True)
+    table = build_block_table(offsets, q.shape[0], 64)
+    with pytest.raises(OutOfResources):
+        if head_dim == 64:
+            triton_ops.block_attention_fwd_triton(q, k, v, offsets, table, 64, 0.125, None, 0, heads_per_program=4)
+        else:
+            triton_ops.block_attention_bwd_triton(do, q, k, v, offsets, table, 64, 0.125, None, 0, PLAIN,
+                                                  tuple(map(torch.empty_like, (q, k, v))), pipeline_stages=3)
 
 
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton.compiler.compiler
 from conftest import (
     BLOCK_SIZES,
     ON_HOPPER,
@@ -24,6 +25,7 @@ from conftest import (
     reference_grads,
     requires_gpu,
 )
+from triton.runtime.errors import OutOfResources
 
 import blockattn
 from blockattn import backends, custom_ops, devices
@@ -183,6 +185,54 @@ def test_forward_fallbacks_for_99_kib_of_shared_memory(block_size, heads, head_d
     sinu_pos = random_angles(q.shape[0], head_dim, torch.float32, "cuda")
     assert_within_2x_pytorch(public_op(q, k, v, do, offsets, block_size, sinu_pos=sinu_pos), q, k, v, do, offsets,
                              block_size, sinu_pos=sinu_pos, rotate=ROTATE_ALL)
+
+
+FWD, BWD = triton_ops._block_attention_fwd_kernel, triton_ops._block_attention_bwd_kernel
+PERSISTENT = triton_ops._block_attention_bwd_persistent_kernel
+
+
+@pytest.mark.parametrize("heads,angles,limit_kib,expected", [
+    ((12, 3), None, 44, [(FWD, None, False), (FWD, None, True), (PERSISTENT, 3, False), (PERSISTENT, 2, False),
+                         (BWD, None, True)]),
+    ((12, 12), None, 44, [(FWD, None, True), (PERSISTENT, 3, False), (BWD, None, True)]),
+    ((12, 3), torch.float32, 44, [(FWD, None, False), (FWD, None, True), (BWD, None, False), (BWD, None, True)]),
+    ((12, 4), None, 160, [(FWD, None, True), (PERSISTENT, 3, False), (PERSISTENT, 2, True)]),
+], ids=["gqa", "mha", "gqa-rotary", "gqa-two-stages"])
+def test_launchers_fall_back_where_the_gpu_cannot_run_the_rule(heads, angles, limit_kib, expected, monkeypatch,
+                                                              poisoned_outputs):
+    """Where a program of the rule's configuration needs more shared memory than the GPU gives (faked here: Triton's
+    limit and ``devices``' at ``limit_kib``; 64-token blocks at D = 128, which on sm_90 with triton 3.6 take 48 KiB
+    for the GQA group's forward, 96 with a rotary, 200-208 KiB for the pipelined backward, 144 two stages deep
+    under GQA), Triton refuses it at its first launch and the launchers fall back to ``kernel_config``'s lean
+    configuration (32-40 KiB), under GQA the persistent backward to two stages first. ``expected``: the attention
+    kernels' launches in turn, (kernel, pipeline stages, whether it ran). Forward and backward within 2x PyTorch's
+    error, the refused keys remembered by ``launch``, and a second call bitwise the first. 12 query heads, which no
+    other test launches, and kv heads that no other case does under another limit (a key refused is refused for
+    the process), so that every kernel compiles and loads under its faked limit."""
+    limit = limit_kib * 1024
+    monkeypatch.setattr(triton.compiler.compiler, "max_shared_mem", lambda device: limit)
+    monkeypatch.setattr(devices, "shared_memory_limit", lambda device: limit)
+    monkeypatch.delitem(backends.BACKENDS, "sm90-gluon", raising=False)
+    plans.forget()
+    launches = []
+
+    def recorded(kernel, grid, **kwargs):
+        try:
+            launch.launch(kernel, grid, **kwargs)
+        except OutOfResources:
+            launches.append((kernel, kwargs.get("PIPELINE_STAGES"), False))
+            raise
+        launches.append((kernel, kwargs.get("PIPELINE_STAGES"), True))
+
+    monkeypatch.setattr(triton_ops, "launch", recorded)
+    q, k, v, do, offsets = random_inputs(odd_lengths(64) + [300, 517], *heads, 128, torch.bfloat16, "cuda")
+    rotary = {} if angles is None else {"sinu_pos": random_angles(q.shape[0], 128, angles, "cuda")}
+    first = public_op(q, k, v, do, offsets, 64, **rotary)
+    assert_within_2x_pytorch(first, q, k, v, do, offsets, 64, rotate=ROTATE_ALL if rotary else 0, **rotary)
+    assert [launched for launched in launches if launched[0] in (FWD, BWD, PERSISTENT)] == expected
+    assert all(launch._KERNELS[kernel].unfit for kernel, _, ran in launches if not ran)
+    for got, want in zip(public_op(q, k, v, do, offsets, 64, **rotary), first):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("call", [

@@ -45,7 +45,7 @@ from .. import devices
 from ..block_table import BlockTable, OffsetsOnly
 from . import fp8, in_block, tiles
 from .in_block import InBlock, block_probs, block_probs_and_grads
-from .launch import launch
+from .launch import launch, launch_fitting
 from .rotary import (
     fence,
     inline_asm,
@@ -93,11 +93,26 @@ def min_chunk(rotary: bool) -> int:
 @functools.cache  # read-only: one mapping per shape, computed once (launches are host-bound on small batches)
 def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1, element_size: int = 2,
                   rotary: bool = False, persistent: bool = True, in_block_bits: int = 0, num_heads: int = 1,
-                  fp32_angles: bool = False, blocks: int = 1, shared_memory: int | None = None) -> MappingProxyType:
+                  fp32_angles: bool = False, blocks: int = 1, shared_memory: int | None = None,
+                  lean: bool = False) -> MappingProxyType:
     """Compile-time shape and launch of a kernel, by a rule measured on an H100 (the 4-warp default and the MHA
     persistent kernel also on an H200; docs/benchmarks.md). ``block_size`` is a program's tile of rows, ``blocks``
     the blocks in it (16- and 32-token blocks run four or two to a 64-row tile: ``tiles.blocks_per_tile``);
     ``shared_memory`` the bytes a program may take on the GPU (``devices.shared_memory_limit``; None: no limit).
+
+    ``lean``: where the GPU cannot run the rule's program (Triton's ``OutOfResources`` at its first launch), the
+    launchers fall back to this configuration (``launch.launch_fitting``): none of what the rules below add to hold
+    more in shared memory, that is one query head a program, no loop pipelined (``GROUP_STAGES`` and
+    ``PIPELINE_STAGES`` 1: the backward's one-block kernel), slices of the head dim where the rotary forward under
+    GQA takes whole rows, and backward slices of at most 64 x 64 elements. Under GQA the pipelined backward first
+    tries two stages instead of three. On the H200's Triton path (the sweep's lengths, bf16, 64-token blocks, D =
+    128, over the floor, 2026-11-29), three stages, two, lean: 8:2 2.17x, 2.40x, 3.43x; 8:1 2.46x, 2.69x, 3.67x;
+    8:8 1.19x, 1.51x, 1.30x (the one-block kernel at its rule's whole rows 1.40x). The rules' shared memory depends
+    on the GPU and on Triton's version: compiled offline for sm_86 (about 99 KiB a program there, and on sm_89 and
+    sm_120; 163 KiB on the A100), the pipelined backward at 64-token blocks and D = 128 takes 144-152 KiB with
+    triton 3.9 and 152-160 KiB with triton 3.6 (two stages 80-88 and 88-96 KiB), and triton 3.6 takes 112-160 KiB
+    for the one-block backward at 128-token blocks and at D = 256 (at most 96 KiB with 3.9). The lean
+    configurations took at most 88 KiB there (bf16, 64- and 128-token blocks, D = 64 to 256, triton 3.6).
 
     Head-dim slices of at most 64 x 128 elements in the forward; 64 x 64 for 16-bit inputs without GQA or a rotary at
     64-token blocks and D = 128 with two or more of the options that add work to the score tile (``in_block_bits``:
@@ -239,14 +254,14 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     # (at 64-token blocks where a program may take the 128 KiB of shared memory it needs: Hopper, the A100; not
     # sm_86/89, whose programs run two head-dim slices and a query head each, 24 KiB there)
     wide_rotary_group = (not backward and rotary and group > 1 and element_size == 2 and block_d > 128
-                         and block_size <= 64 and not in_block_bits
+                         and block_size <= 64 and not in_block_bits and not lean
                          and (block_size < 64 or shared_memory is None or shared_memory >= 128 * 1024))
     pipelined = (backward and persistent and not rotary and block_size == 64 and 64 < block_d <= 128
-                 and element_size == 2)
+                 and element_size == 2 and not lean)
     wide_gqa = group > 1 and element_size == 2 and (block_size == 128 or (block_size == 64 and block_d > 128))
-    if not backward or rotary or pipelined or wide_gqa:
+    if not backward or ((rotary or pipelined or wide_gqa) and not lean):
         max_slice = 64 * 128
-    elif group == 1 and element_size == 2:
+    elif group == 1 and element_size == 2 and not lean:
         max_slice = 128 * 128
     else:
         max_slice = 64 * 64
@@ -262,9 +277,9 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     wide_block_group = (not backward and block_size == 128 and group > 1 and block_d in (32, 64) and element_size == 2
                         and not in_block_bits)
     heads_per_program = (group if not backward and (block_size == 64 or wide_rotary_group or wide_block_group)
-                         and chunk >= block_d else 1)
+                         and chunk >= block_d and not lean else 1)
     # The forward without GQA, whole rows, no in-block option: where several query heads a program pay (below)
-    mha_whole_rows = not backward and group == 1 and chunk >= block_d and not in_block_bits
+    mha_whole_rows = not backward and group == 1 and chunk >= block_d and not in_block_bits and not lean
     # 128-token blocks at D = 64 with fp32 angles: 8 heads three stages deep take 144 KiB of shared memory (Hopper,
     # the A100; not sm_86/89), else the 4 heads of the rule below (72 KiB on sm_86)
     wide_tile_many_heads = (block_size == 128 and block_d == 64 and element_size == 2 and fp32_angles
@@ -302,7 +317,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
         "NUM_CHUNKS": triton.cdiv(block_d, chunk),
         "EVEN_D": block_d == head_dim,
         "PIPELINE_STAGES": 3 if pipelined else 1,
-        "GROUP_STAGES": ((2 if group > 1 and not rotary else 1) if backward
+        "GROUP_STAGES": (1 if lean
+                         else (2 if group > 1 and not rotary else 1) if backward
                          else (2 if block_size == 64 else 1) if wide_rotary_group
                          else (1 if rotary else 2) if wide_block_group
                          else 2 if mha_rotary_heads and heads_per_program > 1
@@ -1011,37 +1027,43 @@ def block_attention_fwd_triton(
     group = hq // k.shape[1]
     blocks = tiles.blocks_per_tile(block_size, d, group, rotate != 0, options.bits, backward=False)
     tile = block_size * blocks
-    cfg = kernel_config(tile, d, backward=False, group=group, element_size=q.element_size(),
-                        rotary=bool(rotate), in_block_bits=options.bits, num_heads=hq,
-                        fp32_angles=rotate != 0 and sinu_pos.dtype == torch.float32, blocks=blocks,
-                        shared_memory=devices.shared_memory_limit(q.device) if q.is_cuda else None)
-    fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
-    if fp8_dot and not fp8_qk_possible:
+    config = functools.partial(kernel_config, tile, d, backward=False, group=group, element_size=q.element_size(),
+                               rotary=bool(rotate), in_block_bits=options.bits, num_heads=hq,
+                               fp32_angles=rotate != 0 and sinu_pos.dtype == torch.float32, blocks=blocks,
+                               shared_memory=devices.shared_memory_limit(q.device) if q.is_cuda else None)
+    rule = config()
+    if fp8_dot and not (fp8_scales is not None and not rotate and rule["CHUNK"] >= 32):
         raise ValueError("fp8_dot needs fp8 inputs, no rotary and head-dim slices at least 32 wide")
-    if heads_per_program not in (None, 1) and not _takes_heads_per_program(heads_per_program, hq, group, cfg):
+    if heads_per_program not in (None, 1) and not _takes_heads_per_program(heads_per_program, hq, group, rule):
         raise ValueError(f"heads_per_program must be 1, or, where one head-dim slice holds the row, the GQA group "
                          f"({group}) or without GQA a divisor of the {hq} heads; got {heads_per_program}")
     if group_stages is not None and group_stages < 1:
         raise ValueError(f"group_stages must be at least 1, got {group_stages}")
-    heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
-    launch(
-        _block_attention_fwd_kernel, (triton.cdiv(table.num_slots, blocks) * hq // heads + checking,),
-        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **table.kernel_args(offsets),
-        num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
-        **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
-        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
-        **(fp8.no_scales_args(q) if fp8_scales is None else fp8_scales.kernel_args()), FP8=fp8_scales is not None,
-        FP8_QK=fp8_qk_possible and fp8_dot is not False,
-        NUM_Q_HEADS=hq, GROUP=group, BLOCK_SIZE=tile, BLOCKS=blocks,
-        CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
-        DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q), HEADS_PER_PROGRAM=heads,
-        GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
-        num_warps=num_warps or cfg["NUM_WARPS"], num_stages=1,
-        **_register_cap(maxnreg or _forward_register_cap(cfg, heads, q, tile, rotate, options)),
-        # Without a table the kernel asserts the offsets (``debug``; without the overflow checks it also turns on).
-        **({"debug": True, "sanitize_overflow": False} if checking else {}),
-    )
+
+    def run(cfg: MappingProxyType) -> None:
+        fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
+        heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]
+        launch(
+            _block_attention_fwd_kernel, (triton.cdiv(table.num_slots, blocks) * hq // heads + checking,),
+            q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **table.kernel_args(offsets),
+            num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
+            **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
+            stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
+            **(fp8.no_scales_args(q) if fp8_scales is None else fp8_scales.kernel_args()), FP8=fp8_scales is not None,
+            FP8_QK=fp8_qk_possible and fp8_dot is not False,
+            NUM_Q_HEADS=hq, GROUP=group, BLOCK_SIZE=tile, BLOCKS=blocks,
+            CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
+            DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q), HEADS_PER_PROGRAM=heads,
+            GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
+            num_warps=num_warps or cfg["NUM_WARPS"], num_stages=1,
+            **_register_cap(maxnreg or _forward_register_cap(cfg, heads, q, tile, rotate, options)),
+            # Without a table the kernel asserts the offsets (``debug``, less the overflow checks it turns on).
+            **({"debug": True, "sanitize_overflow": False} if checking else {}),
+        )
+
+    tuned = any(x is not None for x in (num_warps, maxnreg, fp8_dot, heads_per_program, group_stages))
+    launch_fitting(run, rule, None if tuned else lambda: (config(lean=True),))
     return out
 
 
@@ -1188,8 +1210,9 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     two_layouts = q.stride() == dq.stride() and len({t.stride() for t in (k, v, dk, dv)}) == 1
     # The persistent kernel reads a block table, and runs a kv head's whole group (no split)
     persistent = two_layouts and not options.bits and not split and not isinstance(table, OffsetsOnly)
-    cfg = kernel_config(block_size, d, backward=True, group=group, element_size=q.element_size(),
-                        rotary=bool(rotate), persistent=persistent)
+    config = functools.partial(kernel_config, block_size, d, backward=True, group=group,
+                               element_size=q.element_size(), rotary=bool(rotate), persistent=persistent)
+    cfg = config()
     if chunk is not None:
         min_width = min_chunk(bool(rotate))
         if chunk < min_width or chunk > cfg["BLOCK_D"] or chunk & (chunk - 1):
@@ -1208,36 +1231,49 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
         cfg = {**cfg, **whole_rows, "PIPELINE_STAGES": pipeline_stages}
     elif one_block:
         cfg = {**cfg, "PIPELINE_STAGES": 1}
-    common = dict(**table.kernel_args(offsets), num_tokens=n, head_dim=d, scale=scale, qk_scale_log2=scale * LOG2E,
-                  BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
-                  DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or cfg["NUM_WARPS"],
-                  num_stages=1, **_register_cap(maxnreg))
     tensors = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "do_ptr": grad_out, "dq_ptr": dq, "dk_ptr": dk, "dv_ptr": dv}
-    kernel_grads = (dq, dk, dv)
-    if cfg["PIPELINE_STAGES"] > 1:
-        programs = min(table.num_slots * hkv, _persistent_programs(q.device))
+
+    def run(cfg: MappingProxyType) -> None:
+        common = dict(**table.kernel_args(offsets), num_tokens=n, head_dim=d, scale=scale,
+                      qk_scale_log2=scale * LOG2E, BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
+                      DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or cfg["NUM_WARPS"],
+                      num_stages=1, **_register_cap(maxnreg))
+        if cfg["PIPELINE_STAGES"] > 1:
+            programs = min(table.num_slots * hkv, _persistent_programs(q.device))
+            launch(
+                _block_attention_bwd_persistent_kernel, (programs,),
+                **tensors, **common, num_slots=table.num_slots, **_strides("q", q), **_strides("k", k),
+                **_strides("do", grad_out), NUM_KV_HEADS=hkv, GROUP=group, PIPELINE_STAGES=cfg["PIPELINE_STAGES"],
+                KV_SHARES_TILE=group == 1 and k.stride() == q.stride(),
+                DO_SHARES_LAYOUT=grad_out.stride() == q.stride(),
+            )
+            return
+        slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
+        sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
+        strides = {name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"),
+                                                     (q, k, v, grad_out, dq, dk, dv))
+                   for name, stride in _strides(prefix, t).items()}
         launch(
-            _block_attention_bwd_persistent_kernel, (programs,),
-            **tensors, **common, num_slots=table.num_slots, **_strides("q", q), **_strides("k", k),
-            **_strides("do", grad_out), NUM_KV_HEADS=hkv, GROUP=group, PIPELINE_STAGES=cfg["PIPELINE_STAGES"],
-            KV_SHARES_TILE=group == 1 and k.stride() == q.stride(), DO_SHARES_LAYOUT=grad_out.stride() == q.stride(),
+            _block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
+            **tensors, sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], **common, **strides,
+            stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
+            NUM_KV_HEADS=hkv, GROUP=group,
+            NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
+            GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
+            INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in (dq, dk, dv)),
+            HEADS_PER_KV=hq // kv_heads if split else 1,
         )
-        return
-    slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
-    sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
-    strides = {name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"),
-                                                 (q, k, v, grad_out, *kernel_grads))
-               for name, stride in _strides(prefix, t).items()}
-    launch(
-        _block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
-        **tensors, sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], **common, **strides,
-        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
-        NUM_KV_HEADS=hkv, GROUP=group,
-        NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
-        GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
-        INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in kernel_grads),
-        HEADS_PER_KV=hq // kv_heads if split else 1,
-    )
+
+    tuned = any(x is not None for x in (num_warps, maxnreg, slices_per_program, chunk, group_stages, pipeline_stages))
+
+    def leaner() -> list:
+        # Under GQA the persistent kernel two stages deep first (``kernel_config``'s ``lean``)
+        fallbacks = [config(lean=True)]
+        if cfg["PIPELINE_STAGES"] > 2 and group > 1:
+            fallbacks.insert(0, MappingProxyType({**cfg, "PIPELINE_STAGES": 2}))
+        return fallbacks
+
+    launch_fitting(run, cfg, None if tuned else leaner)
     if split:
         for shares, grad in zip((dk, dv), grads[1:]):
             _sum_group_shares(shares, grad)

@@ -20,6 +20,10 @@ the host tensor descriptors' maps, encoded on them) change at each replay, inste
 
 Every kernel of the library is launched here: a call being recorded as a plan (``plans``) learns of its launches
 from this function alone.
+
+A kernel the GPU cannot run (Triton's ``OutOfResources`` at its first launch: more shared memory than a program may
+take, which depends on the GPU and on Triton's version) raises again at once at every launch of its key, and
+:func:`launch_fitting` runs a launcher's leaner configuration instead.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ import functools
 import operator
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import triton.language as tl
 from triton import knobs
+from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 
 try:
@@ -121,7 +126,8 @@ def _key_function(values: tuple, constexprs: tuple[bool, ...], name: str = "kern
 
 class _Kernel:
     """What :func:`launch` keeps per kernel: how to read its arguments out of the keyword arguments, the key
-    function, whether it takes host-built tensor descriptors, and the compiled kernel of every key seen."""
+    function, whether it takes host-built tensor descriptors, the compiled kernel of every key seen, and the error
+    of every key the GPU could not run."""
 
     def __init__(self, kernel: JITFunction, kwargs: dict):
         names = tuple(kernel.arg_names)
@@ -131,6 +137,7 @@ class _Kernel:
         self.key = _key_function(values, tuple(p.is_constexpr for p in kernel.params), kernel.__name__)
         self.descriptors = any(isinstance(value, TensorDescriptor) for value in values)
         self.compiled: dict[tuple, object] = {}
+        self.unfit: dict[tuple, OutOfResources] = {}
 
 
 _KERNELS: dict[JITFunction, _Kernel] = {}
@@ -158,7 +165,14 @@ def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
         return
     grid = (*grid, 1, 1)[:3]
     if compiled is None:
-        compiled = _through_triton(kernel, grid, kwargs, device)
+        if key in entry.unfit:
+            raise entry.unfit[key]
+        try:
+            compiled = _through_triton(kernel, grid, kwargs, device)
+        except OutOfResources as error:
+            with _LOCK:
+                entry.unfit[key] = error
+            raise
         with _LOCK:
             entry.compiled[key] = compiled
         runner = compiled[grid]
@@ -429,6 +443,29 @@ def _through_triton(kernel: JITFunction, grid: tuple[int, ...], kwargs: dict, de
     if any(isinstance(value, TensorDescriptor) for value in kwargs.values()):
         ensure_context(device)
     return kernel[grid](**kwargs)
+
+
+def launch_fitting(run: Callable[[object], None], rule, leaner: Callable[[], Iterable] | None) -> None:
+    """``run(rule)``, or where the GPU cannot run the kernel of the rule's configuration (Triton's
+    ``OutOfResources``, which :func:`launch` raises before anything runs: ``run`` must launch that kernel first),
+    ``run`` on the first of the ``leaner()`` configurations it can. ``leaner`` None: no fallback (a launch the
+    caller tuned by hand). Off the GPU (Triton's interpreter) nothing is out of resources."""
+    try:
+        run(rule)
+        return
+    except OutOfResources as error:
+        if leaner is None:
+            raise
+        refused = error
+    for cfg in leaner():
+        if cfg == rule:
+            continue
+        try:
+            run(cfg)
+            return
+        except OutOfResources as error:
+            refused = error
+    raise refused
 
 
 def cached_keys(kernel) -> int:
