@@ -2,14 +2,17 @@
 
     python benchmarks/shared_memory.py --arch 86 --limit-kib 99
     python benchmarks/shared_memory.py --arch 86 --limit-kib 99 --lean --passes bwd --block-sizes 128
+    python benchmarks/shared_memory.py --arch 86 --passes bwd --head-dims 128 --block-sizes 64 --pipeline-stages 2
 
 Compiles every kernel that the Triton launchers would launch for each configuration (pass x dtype x angles x head
 dim x block size x kv heads, 8 query heads), as they would on a GPU whose programs may take ``--limit-kib`` of
 shared memory (what ``kernel_config`` is told), and prints one line each: the configuration, the kernel and the
 bytes of shared memory its program takes (Triton's metadata), flagged where above the limit. ``--lean`` asks for
-``kernel_config``'s lean configuration, where the launchers go when the GPU refuses the rule's program. A
-configuration that does not compile for the architecture (fp8 below sm_89) is listed with the reason. The figures
-depend on the installed Triton; Triton's compiler (ptxas, shipped with it) does the work on the CPU.
+``kernel_config``'s lean configuration, where the launchers go when the GPU refuses the rule's program;
+``--pipeline-stages`` runs the backward's persistent kernel that many stages deep (the launcher's tuning override,
+which it refuses for a rotary). A configuration that cannot be launched or compiled for the architecture (fp8 below
+sm_89) is listed with the reason. The figures depend on the installed Triton; Triton's compiler (ptxas, shipped
+with it) does the work on the CPU.
 """
 
 import argparse
@@ -57,6 +60,7 @@ def main() -> None:
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
     parser.add_argument("--block-sizes", nargs="+", type=int, default=[16, 32, 64, 128])
     parser.add_argument("--kv-heads", nargs="+", type=int, default=[8, 2, 1])
+    parser.add_argument("--pipeline-stages", type=int, help="the persistent backward's depth (tuning override)")
     args = parser.parse_args()
 
     driver.set_active(_OfflineDriver(args.arch))
@@ -99,9 +103,10 @@ def main() -> None:
             else:
                 grads = tuple(map(torch.empty_like, (q, k, v)))
                 block_attention.block_attention_bwd_triton(torch.zeros_like(q), q, k, v, offsets, table, block_size,
-                                                           0.1, sinu_pos, rotate, PLAIN, grads)
-        except Exception as error:  # noqa: BLE001 - listed, as the architecture's answer
-            print(f"{label}: does not compile ({type(error).__name__}: {str(error).splitlines()[0][:120]})")
+                                                           0.1, sinu_pos, rotate, PLAIN, grads,
+                                                           pipeline_stages=args.pipeline_stages)
+        except Exception as error:  # noqa: BLE001 - listed, as the architecture's (or the launcher's) answer
+            print(f"{label}: not launched ({type(error).__name__}: {str(error).splitlines()[0][:120]})")
             continue
         for kernel in compiled:
             shared = kernel.metadata.shared

@@ -1,12 +1,15 @@
 """The launch cache (``ops/launch.py``): a cached launch must run the kernel Triton would have picked."""
 
 import ctypes
+import weakref
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 from conftest import requires_gpu
+from triton.runtime.errors import OutOfResources
+from triton.runtime.jit import JITFunction
 
 from blockattn.ops import launch
 
@@ -118,6 +121,62 @@ def test_an_optional_pointer_left_out_is_cached_too(monkeypatch):
             launch.launch(_copy_maybe_scaled, (3,), x_ptr=x, y_ptr=y, factor_ptr=scale, n=300, BLOCK=128)
             torch.testing.assert_close(y, x * 3 if scale is not None else x, rtol=0, atol=0)
         assert len(through_triton) == 2 and launch.cached_keys(_copy_maybe_scaled) == 2, f"round {round_}"
+
+
+def test_a_refused_key_is_refused_again_without_triton(monkeypatch):
+    """A kernel the GPU refuses (Triton's ``OutOfResources`` at its first launch: more shared memory than a program
+    may take) raises again at once at every launch of its key, without Triton; the error kept holds no traceback,
+    whose frames would keep every refused call's tensors alive. Triton's refusal is stood in for (no GPU)."""
+    refusals = []
+
+    def refuse(kernel, grid, kwargs, device):
+        refusals.append(grid)
+        raise OutOfResources(160 * 1024, 99 * 1024, "shared memory")
+
+    monkeypatch.setattr(launch, "_through_triton", refuse)
+    monkeypatch.setattr(launch, "_KERNELS", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = JITFunction(getattr(_copy_maybe_scaled, "fn", _copy_maybe_scaled))  # the interpreter's, compiled
+    x = torch.zeros(300)
+    alive = weakref.ref(x)
+    for _ in range(3):
+        with pytest.raises(OutOfResources, match="shared memory"):
+            launch.launch(kernel, (3,), x_ptr=x, y_ptr=torch.zeros(300), factor_ptr=None, n=300, BLOCK=128)
+    assert len(refusals) == 1
+    assert [error.__traceback__ for error in launch._KERNELS[kernel].unfit.values()] == [None]
+    del x
+    assert alive() is None
+
+
+def test_launch_fitting_runs_the_first_configuration_the_gpu_takes():
+    """The rule's configuration, else the first leaner one (other than the rule) that is not refused; where every
+    one is refused, the last one's error, and where there is none (no fallback, or only the rule), the rule's."""
+
+    def refusing(*refused):
+        ran = []
+
+        def run(cfg):
+            ran.append(cfg)
+            if cfg in refused:
+                raise OutOfResources(2, 1, f"shared memory of {cfg}")
+
+        return run, ran
+
+    run, ran = refusing("rule", "a")
+    launch.launch_fitting(run, "rule", lambda: ["rule", "a", "b", "c"])
+    assert ran == ["rule", "a", "b"]
+    run, ran = refusing("rule", "a", "b")
+    with pytest.raises(OutOfResources, match="of b"):
+        launch.launch_fitting(run, "rule", lambda: ["a", "b"])
+    assert ran == ["rule", "a", "b"]
+    for leaner in (None, lambda: ["rule"]):
+        run, ran = refusing("rule")
+        with pytest.raises(OutOfResources, match="of rule"):
+            launch.launch_fitting(run, "rule", leaner)
+        assert ran == ["rule"]
+    run, ran = refusing()
+    launch.launch_fitting(run, "rule", None)
+    assert ran == ["rule"]
 
 
 @requires_gpu

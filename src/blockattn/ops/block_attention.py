@@ -103,8 +103,9 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     ``lean``: where the GPU cannot run the rule's program (Triton's ``OutOfResources`` at its first launch), the
     launchers fall back to this configuration (``launch.launch_fitting``): none of what the rules below add to hold
     more in shared memory, that is one query head a program, no loop pipelined (``GROUP_STAGES`` and
-    ``PIPELINE_STAGES`` 1: the backward's one-block kernel), slices of the head dim where the rotary forward under
-    GQA takes whole rows, and backward slices of at most 64 x 64 elements. Under GQA the pipelined backward first
+    ``PIPELINE_STAGES`` 1: the backward's one-block kernel), two head-dim slices where the rotary forward under GQA
+    at 64-token blocks past D = 128 takes whole rows, and backward slices of at most 64 x 64 elements (the warps
+    follow the shape: 8 for one query head a program at 128-token blocks). Under GQA the pipelined backward first
     tries two stages instead of three. On the H200's Triton path (the sweep's lengths, bf16, 64-token blocks, D =
     128, over the floor, 2026-11-29), three stages, two, lean: 8:2 2.17x, 2.40x, 3.43x; 8:1 2.46x, 2.69x, 3.67x;
     8:8 1.19x, 1.51x, 1.30x (the one-block kernel at its rule's whole rows 1.40x). The rules' shared memory depends
@@ -975,9 +976,10 @@ def searches_offsets(call, num_seqs: int, num_tokens: int) -> bool:
 def finds_blocks(call, num_seqs: int, num_tokens: int) -> bool:
     """Whether the Triton kernels run ``call`` without a block table (``block_table.OffsetsOnly``), where
     :func:`searches_offsets`: the forward on one block a program (a tile of several would search for each), and
-    the backward where its one-block kernel runs. The persistent backward keeps the table: searching inside its
-    loop over blocks, the loop held another, and Triton pipelines no such loop (triton 3.6, H200: no asynchronous
-    copies left, 0.140 -> 0.232 ms on 8 x 4096 tokens, 8 heads, D = 128)."""
+    the backward where its one-block kernel runs (by the rule: where a GPU refuses the rule's persistent kernel,
+    the one-block kernel it falls back to reads the table built for it). The persistent backward keeps the table:
+    searching inside its loop over blocks, the loop held another, and Triton pipelines no such loop (triton 3.6,
+    H200: no asynchronous copies left, 0.140 -> 0.232 ms on 8 x 4096 tokens, 8 heads, D = 128)."""
     group = call.num_heads // call.num_kv_heads
     if call.pass_name == "bwd":
         one_block = kernel_config(call.block_size, call.head_dim, backward=True,
@@ -1040,26 +1042,27 @@ def block_attention_fwd_triton(
     if group_stages is not None and group_stages < 1:
         raise ValueError(f"group_stages must be at least 1, got {group_stages}")
     sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
+    # What no configuration changes, built once (a time bias's buckets among them), before any launch
+    arguments = dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **table.kernel_args(offsets),
+        num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
+        **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
+        stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
+        **(fp8.no_scales_args(q) if fp8_scales is None else fp8_scales.kernel_args()), FP8=fp8_scales is not None,
+        NUM_Q_HEADS=hq, GROUP=group, BLOCK_SIZE=tile, BLOCKS=blocks, DOT_PRECISION=_dot_precision(q.dtype),
+        ROTATE=rotate, INLINE_ASM=inline_asm(q), num_stages=1,
+        # Without a table the kernel asserts the offsets (``debug``, less the overflow checks it turns on).
+        **({"debug": True, "sanitize_overflow": False} if checking else {}),
+    )
 
     def run(cfg: MappingProxyType) -> None:
-        fp8_qk_possible = fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
         heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]
         launch(
             _block_attention_fwd_kernel, (triton.cdiv(table.num_slots, blocks) * hq // heads + checking,),
-            q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, sinu_ptr=sinu_ptr, **table.kernel_args(offsets),
-            num_tokens=n, head_dim=d, qk_scale_log2=scale * LOG2E,
-            **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", out),
-            stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
-            **(fp8.no_scales_args(q) if fp8_scales is None else fp8_scales.kernel_args()), FP8=fp8_scales is not None,
-            FP8_QK=fp8_qk_possible and fp8_dot is not False,
-            NUM_Q_HEADS=hq, GROUP=group, BLOCK_SIZE=tile, BLOCKS=blocks,
-            CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"],
-            DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate, INLINE_ASM=inline_asm(q), HEADS_PER_PROGRAM=heads,
-            GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
-            num_warps=num_warps or cfg["NUM_WARPS"], num_stages=1,
+            **arguments, FP8_QK=fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32 and fp8_dot is not False,
+            CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"], HEADS_PER_PROGRAM=heads,
+            GROUP_STAGES=group_stages or cfg["GROUP_STAGES"], num_warps=num_warps or cfg["NUM_WARPS"],
             **_register_cap(maxnreg or _forward_register_cap(cfg, heads, q, tile, rotate, options)),
-            # Without a table the kernel asserts the offsets (``debug``, less the overflow checks it turns on).
-            **({"debug": True, "sanitize_overflow": False} if checking else {}),
         )
 
     tuned = any(x is not None for x in (num_warps, maxnreg, fp8_dot, heads_per_program, group_stages))
@@ -1212,12 +1215,12 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
     persistent = two_layouts and not options.bits and not split and not isinstance(table, OffsetsOnly)
     config = functools.partial(kernel_config, block_size, d, backward=True, group=group,
                                element_size=q.element_size(), rotary=bool(rotate), persistent=persistent)
-    cfg = config()
+    rule = config()
     if chunk is not None:
         min_width = min_chunk(bool(rotate))
-        if chunk < min_width or chunk > cfg["BLOCK_D"] or chunk & (chunk - 1):
-            raise ValueError(f"chunk must be a power of two in [{min_width}, {cfg['BLOCK_D']}], got {chunk}")
-        cfg = {**cfg, "CHUNK": chunk, "NUM_CHUNKS": cfg["BLOCK_D"] // chunk}
+        if chunk < min_width or chunk > rule["BLOCK_D"] or chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two in [{min_width}, {rule['BLOCK_D']}], got {chunk}")
+        rule = {**rule, "CHUNK": chunk, "NUM_CHUNKS": rule["BLOCK_D"] // chunk}
     for name, stages in (("group_stages", group_stages), ("pipeline_stages", pipeline_stages)):
         if stages is not None and stages < 1:
             raise ValueError(f"{name} must be at least 1, got {stages}")
@@ -1227,53 +1230,48 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
             raise ValueError("pipeline_stages > 1 (the persistent backward) takes no rotary, in-block options, chunk, "
                              "group_stages or slices_per_program, nor a GQA group run apart (splits_group), and needs "
                              "a block table, q, dq in one layout and k, v, dk, dv in another")
-        whole_rows = {"CHUNK": cfg["BLOCK_D"], "NUM_CHUNKS": 1} if pipeline_stages > 1 else {}
-        cfg = {**cfg, **whole_rows, "PIPELINE_STAGES": pipeline_stages}
+        whole_rows = {"CHUNK": rule["BLOCK_D"], "NUM_CHUNKS": 1} if pipeline_stages > 1 else {}
+        rule = {**rule, **whole_rows, "PIPELINE_STAGES": pipeline_stages}
     elif one_block:
-        cfg = {**cfg, "PIPELINE_STAGES": 1}
-    tensors = {"q_ptr": q, "k_ptr": k, "v_ptr": v, "do_ptr": grad_out, "dq_ptr": dq, "dk_ptr": dk, "dv_ptr": dv}
+        rule = {**rule, "PIPELINE_STAGES": 1}
+    # What no configuration changes, built once (a time bias's buckets among them), before any launch
+    common = dict(**table.kernel_args(offsets), num_tokens=n, head_dim=d, scale=scale, qk_scale_log2=scale * LOG2E,
+                  BLOCK_SIZE=block_size, DOT_PRECISION=_dot_precision(q.dtype), num_stages=1, **_register_cap(maxnreg),
+                  q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_out, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, NUM_KV_HEADS=hkv,
+                  GROUP=group)
+    persistent_args = dict(num_slots=table.num_slots, **_strides("q", q), **_strides("k", k),
+                           **_strides("do", grad_out), KV_SHARES_TILE=group == 1 and k.stride() == q.stride(),
+                           DO_SHARES_LAYOUT=grad_out.stride() == q.stride())
+    sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
+    one_block_args = dict(
+        **{name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"), (q, k, v, grad_out, dq, dk, dv))
+           for name, stride in _strides(prefix, t).items()},
+        sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], stride_sn=stride_sn, stride_sd=stride_sd,
+        **in_block.call_args(options, q, offsets, table, block_size), ROTATE=rotate, INLINE_ASM=inline_asm(q),
+        WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in (dq, dk, dv)),
+        HEADS_PER_KV=hq // kv_heads if split else 1)
 
     def run(cfg: MappingProxyType) -> None:
-        common = dict(**table.kernel_args(offsets), num_tokens=n, head_dim=d, scale=scale,
-                      qk_scale_log2=scale * LOG2E, BLOCK_SIZE=block_size, CHUNK=cfg["CHUNK"], EVEN_D=cfg["EVEN_D"],
-                      DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps or cfg["NUM_WARPS"],
-                      num_stages=1, **_register_cap(maxnreg))
+        shape = {"CHUNK": cfg["CHUNK"], "EVEN_D": cfg["EVEN_D"], "num_warps": num_warps or cfg["NUM_WARPS"]}
         if cfg["PIPELINE_STAGES"] > 1:
             programs = min(table.num_slots * hkv, _persistent_programs(q.device))
-            launch(
-                _block_attention_bwd_persistent_kernel, (programs,),
-                **tensors, **common, num_slots=table.num_slots, **_strides("q", q), **_strides("k", k),
-                **_strides("do", grad_out), NUM_KV_HEADS=hkv, GROUP=group, PIPELINE_STAGES=cfg["PIPELINE_STAGES"],
-                KV_SHARES_TILE=group == 1 and k.stride() == q.stride(),
-                DO_SHARES_LAYOUT=grad_out.stride() == q.stride(),
-            )
+            launch(_block_attention_bwd_persistent_kernel, (programs,), **common, **persistent_args, **shape,
+                   PIPELINE_STAGES=cfg["PIPELINE_STAGES"])
             return
         slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
-        sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
-        strides = {name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"),
-                                                     (q, k, v, grad_out, dq, dk, dv))
-                   for name, stride in _strides(prefix, t).items()}
-        launch(
-            _block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
-            **tensors, sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], **common, **strides,
-            stride_sn=stride_sn, stride_sd=stride_sd, **in_block.call_args(options, q, offsets, table, block_size),
-            NUM_KV_HEADS=hkv, GROUP=group,
-            NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices, ROTATE=rotate,
-            GROUP_STAGES=group_stages or cfg["GROUP_STAGES"],
-            INLINE_ASM=inline_asm(q), WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in (dq, dk, dv)),
-            HEADS_PER_KV=hq // kv_heads if split else 1,
-        )
-
-    tuned = any(x is not None for x in (num_warps, maxnreg, slices_per_program, chunk, group_stages, pipeline_stages))
+        launch(_block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
+               **common, **one_block_args, **shape, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices,
+               GROUP_STAGES=group_stages or cfg["GROUP_STAGES"])
 
     def leaner() -> list:
         # Under GQA the persistent kernel two stages deep first (``kernel_config``'s ``lean``)
         fallbacks = [config(lean=True)]
-        if cfg["PIPELINE_STAGES"] > 2 and group > 1:
-            fallbacks.insert(0, MappingProxyType({**cfg, "PIPELINE_STAGES": 2}))
+        if rule["PIPELINE_STAGES"] > 2 and group > 1:
+            fallbacks.insert(0, MappingProxyType({**rule, "PIPELINE_STAGES": 2}))
         return fallbacks
 
-    launch_fitting(run, cfg, None if tuned else leaner)
+    tuned = any(x is not None for x in (num_warps, maxnreg, slices_per_program, chunk, group_stages, pipeline_stages))
+    launch_fitting(run, rule, None if tuned else leaner)
     if split:
         for shares, grad in zip((dk, dv), grads[1:]):
             _sum_group_shares(shares, grad)

@@ -28,6 +28,7 @@ take, which depends on the GPU and on Triton's version) raises again at once at 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import functools
@@ -165,13 +166,13 @@ def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
         return
     grid = (*grid, 1, 1)[:3]
     if compiled is None:
-        if key in entry.unfit:
-            raise entry.unfit[key]
+        if key in entry.unfit:  # a copy, without the traceback (whose frames would keep this call's tensors alive)
+            raise copy.copy(entry.unfit[key])
         try:
             compiled = _through_triton(kernel, grid, kwargs, device)
         except OutOfResources as error:
             with _LOCK:
-                entry.unfit[key] = error
+                entry.unfit[key] = copy.copy(error)
             raise
         with _LOCK:
             entry.compiled[key] = compiled
@@ -445,27 +446,26 @@ def _through_triton(kernel: JITFunction, grid: tuple[int, ...], kwargs: dict, de
     return kernel[grid](**kwargs)
 
 
-def launch_fitting(run: Callable[[object], None], rule, leaner: Callable[[], Iterable] | None) -> None:
+def launch_fitting(run: Callable[[object], None], rule: object, leaner: Callable[[], Iterable] | None) -> None:
     """``run(rule)``, or where the GPU cannot run the kernel of the rule's configuration (Triton's
-    ``OutOfResources``, which :func:`launch` raises before anything runs: ``run`` must launch that kernel first),
-    ``run`` on the first of the ``leaner()`` configurations it can. ``leaner`` None: no fallback (a launch the
-    caller tuned by hand). Off the GPU (Triton's interpreter) nothing is out of resources."""
+    ``OutOfResources``, which :func:`launch` raises before anything runs: ``run`` must launch that kernel before
+    anything else), ``run`` on the first of the ``leaner()`` configurations other than the rule that it can; the
+    last one's error reaches the caller. ``leaner`` None: no fallback (a launch the caller tuned by hand). Off the
+    GPU (Triton's interpreter) nothing is out of resources."""
     try:
         run(rule)
         return
-    except OutOfResources as error:
-        if leaner is None:
+    except OutOfResources:
+        fallbacks = [] if leaner is None else [cfg for cfg in leaner() if cfg != rule]
+        if not fallbacks:
             raise
-        refused = error
-    for cfg in leaner():
-        if cfg == rule:
-            continue
+    for cfg in fallbacks[:-1]:
         try:
             run(cfg)
             return
-        except OutOfResources as error:
-            refused = error
-    raise refused
+        except OutOfResources:
+            continue
+    run(fallbacks[-1])
 
 
 def cached_keys(kernel) -> int:
