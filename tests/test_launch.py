@@ -136,7 +136,7 @@ def test_a_refused_key_is_refused_again_without_triton(monkeypatch):
     monkeypatch.setattr(launch, "_through_triton", refuse)
     monkeypatch.setattr(launch, "_KERNELS", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    kernel = JITFunction(getattr(_copy_maybe_scaled, "fn", _copy_maybe_scaled))  # the interpreter's, compiled
+    kernel = JITFunction(getattr(_copy_maybe_scaled, "fn", _copy_maybe_scaled))  # as on a GPU, not interpreted
     x = torch.zeros(300)
     alive = weakref.ref(x)
     for _ in range(3):
