@@ -1,4 +1,4 @@
-"""The shared memory of the block op's Triton programs on a GPU architecture, compiled offline (no GPU needed).
+"""The shared memory of the Triton programs the launchers would run on a GPU architecture, compiled offline.
 
     python benchmarks/shared_memory.py --arch 86 --limit-kib 99
     python benchmarks/shared_memory.py --arch 86 --limit-kib 99 --lean --passes bwd --block-sizes 128
@@ -12,10 +12,10 @@ bytes of shared memory its program takes (Triton's metadata), flagged where abov
 ``kernel_config``'s lean configuration, where the launchers go when the GPU refuses the rule's program;
 ``--pipeline-stages`` runs the backward's persistent kernel that many stages deep (the launcher's tuning override,
 which it refuses for a rotary). ``--flash``: the flash attention's forward instead, the pipelined kernel that runs
-off Hopper, dense, at the configuration its dispatcher picks for the architecture and limit (``flash_config``),
-over ``--dtypes`` x ``--head-dims`` x causal or not, 8 query heads on 2 kv heads. A configuration that cannot be
-launched or compiled for the architecture (fp8 below sm_89) is listed with the reason. The figures depend on the installed Triton; Triton's compiler (ptxas, shipped
-with it) does the work on the CPU.
+off Hopper, dense, at the configuration its dispatcher picks for the architecture and limit (``flash_config``), over
+``--dtypes`` x ``--head-dims`` x causal or not, 8 query heads on 2 kv heads. A configuration that cannot be launched
+or compiled for the architecture (fp8 below sm_89) is listed with the reason. The figures depend on the installed
+Triton; Triton's compiler (ptxas, shipped with it) does the work on the CPU.
 """
 
 import argparse
