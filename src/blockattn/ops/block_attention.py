@@ -101,19 +101,19 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     ``shared_memory`` the bytes a program may take on the GPU (``devices.shared_memory_limit``; None: no limit).
 
     ``lean``: where the GPU cannot run the rule's program (Triton's ``OutOfResources`` at its first launch), the
-    launchers fall back to this configuration (``launch.launch_fitting``): none of what the rules below add to hold
-    more in shared memory, that is one query head a program, no loop pipelined (``GROUP_STAGES`` and
-    ``PIPELINE_STAGES`` 1: the backward's one-block kernel), two head-dim slices where the rotary forward under GQA
-    at 64-token blocks past D = 128 takes whole rows, and backward slices of at most 64 x 64 elements (the warps
-    follow the shape: 8 for one query head a program at 128-token blocks, and for the rotary forward under GQA at
-    64-token blocks from D = 128). Under GQA the pipelined backward first tries two stages instead of three. On the H200's Triton path (the sweep's lengths, bf16, 64-token blocks, D =
-    128, over the floor, 2026-11-29), three stages, two, lean: 8:2 2.17x, 2.40x, 3.43x; 8:1 2.46x, 2.69x, 3.67x;
-    8:8 1.19x, 1.51x, 1.30x (the one-block kernel at its rule's whole rows 1.40x). The rules' shared memory depends
-    on the GPU and on Triton's version: compiled offline for sm_86 (about 99 KiB a program there, and on sm_89 and
-    sm_120; 163 KiB on the A100), the pipelined backward at 64-token blocks and D = 128 takes 144-152 KiB with
-    triton 3.9 and 152-160 KiB with triton 3.6 (two stages 80-88 and 88-96 KiB), and triton 3.6 takes 112-160 KiB
-    for the one-block backward at 128-token blocks and at D = 256 (at most 96 KiB with 3.9). The lean
-    configurations took at most 88 KiB there (bf16, 16- to 128-token blocks, D = 64 to 256, triton 3.6;
+    launchers fall back to this configuration (``launch.launch_fitting``): none of what the rules below add to hold more
+    in shared memory, that is one query head a program, no loop pipelined (``GROUP_STAGES`` and ``PIPELINE_STAGES`` 1:
+    the backward's one-block kernel), two head-dim slices where the rotary forward under GQA at 64-token blocks past D =
+    128 takes whole rows, and backward slices of at most 64 x 64 elements (the warps follow the shape: 8 for one query
+    head a program at 128-token blocks, and for the rotary forward under GQA at 64-token blocks from D = 128). Under GQA
+    the pipelined backward first tries two stages instead of three. On the H200's Triton path (the sweep's lengths,
+    bf16, 64-token blocks, D = 128, over the floor, 2026-11-29), three stages, two, lean: 8:2 2.17x, 2.40x, 3.43x; 8:1
+    2.46x, 2.69x, 3.67x; 8:8 1.19x, 1.51x, 1.30x (the one-block kernel at its rule's whole rows 1.40x). The rules'
+    shared memory depends on the GPU and on Triton's version: compiled offline for sm_86 (about 99 KiB a program there,
+    and on sm_89 and sm_120; 163 KiB on the A100), the pipelined backward at 64-token blocks and D = 128 takes 144-152
+    KiB with triton 3.9 and 152-160 KiB with triton 3.6 (two stages 80-88 and 88-96 KiB), and triton 3.6 takes 112-160
+    KiB for the one-block backward at 128-token blocks and at D = 256 (at most 96 KiB with 3.9). The lean configurations
+    took at most 88 KiB there (bf16, 16- to 128-token blocks, D = 64 to 256, triton 3.6;
     ``benchmarks/shared_memory.py``).
 
     Head-dim slices of at most 64 x 128 elements in the forward; 64 x 64 for 16-bit inputs without GQA or a rotary at
