@@ -6,6 +6,7 @@ tiles against one block a program.
     python benchmarks/hopper_ab.py                  # --rep-ms 10
     python benchmarks/hopper_ab.py --pass fwd       # the forward's cases alone
     python benchmarks/hopper_ab.py --dtype float8_e4m3fn --head-dim 128  # fp8 inputs: the forward kernels' cases
+    python benchmarks/hopper_ab.py --block-size 128 --pass fwd
 
 Prints, per configuration (bf16 unless ``--dtype``, 8 query heads), the pass's time over its memory floor for each variant: ``rule``
 (the dispatcher's choice), ``triton`` (the dispatcher without the Hopper kernels), ``ws`` (the warp-specialised
@@ -90,12 +91,13 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", sweep.FP8), default="bfloat16",
                         help="the inputs' dtype (fp8: the warp-specialised forward against the Triton one alone)")
     parser.add_argument("--head-dim", type=int, help="the cases of one head dim alone")
+    parser.add_argument("--block-size", type=int, help="the cases of one block size alone")
     args = parser.parse_args()
     tbps = harness.copy_bandwidth_tbps(args.rep_ms)
     print(f"{harness.environment()['device']}; copy bandwidth {tbps:.2f} TB/s", flush=True)
     for (block_size, head_dim, kv_heads, rotary), pass_name, variants in CASES:
         if (args.pass_name not in (None, pass_name) or args.head_dim not in (None, head_dim)
-                or (args.dtype == sweep.FP8 and ("ws" not in variants or block_size > tiles.TILE_ROWS))):
+                or args.block_size not in (None, block_size) or (args.dtype == sweep.FP8 and "ws" not in variants)):
             continue
         config = sweep.Config(block_size, head_dim, kv_heads, args.dtype, rotary)
         cells = []

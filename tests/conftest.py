@@ -125,6 +125,12 @@ def uniform_batch(num_seqs, length, head_dim, dtype=torch.bfloat16):
     return n, offsets, lambda h: torch.randn(n, h, head_dim, device="cuda", dtype=dtype)
 
 
+def dispatch_without(monkeypatch, name: str) -> None:
+    """The dispatcher without backend ``name`` for one test. A copy of the table, not ``delitem``: undoing that
+    would put the backend back last, and the dispatcher takes the first backend that takes a call."""
+    monkeypatch.setattr(backends, "BACKENDS", {key: b for key, b in backends.BACKENDS.items() if key != name})
+
+
 def forward_of(name, q, k, v, offsets, block_size, sinu_pos=None, rotate=0, in_block=PLAIN, table=None,
                fp8_scales=None):
     """One backend's forward launcher (``backends.BACKENDS[name]``), bypassing the dispatcher."""

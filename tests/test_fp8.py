@@ -6,7 +6,7 @@ import torch
 from conftest import HAS_GPU, KERNEL_DEVICE, ON_HOPPER, forward_of, make_offsets, odd_lengths, requires_gpu
 
 import blockattn
-from blockattn import backends
+from blockattn import backends, devices
 from blockattn.backends import AttentionCall
 from blockattn.block_table import build_block_table
 from blockattn.ops import block_attention as triton_ops
@@ -58,13 +58,13 @@ def test_kernel_matches_dequantised_reference(out_dtype, block_size, hq, hkv, po
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32, FP8])
-@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("hq,hkv", [(3, 3), (4, 2), (8, 1), (8, 4)])
 def test_sm90_forward(hq, hkv, head_dim, block_size, out_dtype, poisoned_outputs):
     """The warp-specialised Hopper forward on fp8 inputs (its q k^T on fp8 tensor cores, the values widened to fp16
-    in shared memory), on odd lengths and more, every group it takes, every output dtype: the bounds of the Triton
-    forward."""
+    in shared memory; at 128-token blocks in halves, each consumer widening half of a block's values), on odd
+    lengths and more, every group it takes, every output dtype: the bounds of the Triton forward."""
     lengths = odd_lengths(block_size) + torch.randint(0, 300, (4,)).tolist()
     offsets = make_offsets(lengths, "cuda")
     (q, k, v), scales, exact = quantized_inputs(lengths, hq, hkv, head_dim, "cuda")
@@ -77,6 +77,32 @@ def test_sm90_forward(hq, hkv, head_dim, block_size, out_dtype, poisoned_outputs
     assert not out.float().isnan().any()  # every element written (outputs start as NaN)
     ref = block_attention_reference(*exact, offsets, block_size=block_size)
     assert snr_db(as_float64(out, out_scale), ref) > MIN_SNR_DB[out_dtype]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(3, 3), (6, 2)])
+def test_sm90_forward_several_items_a_program(hq, hkv, block_size, monkeypatch, poisoned_outputs):
+    """Two programs (the grid is one a multiprocessor, here said to be two), each running dozens of items in turn: at
+    128-token blocks the two widened value tiles taken in turn and the barrier on which both consumers widen every
+    block's values, phase after phase. Then a NaN in one sequence's q, k and v, which the partial block before it
+    loads past its end, reaches no other row."""
+    monkeypatch.setattr(devices, "multiprocessors", lambda device: 2)
+    lengths = [block_size // 2 + 5, 23] + torch.randint(0, 700, (24,)).tolist() + odd_lengths(block_size)
+    offsets = make_offsets(lengths, "cuda")
+    (q, k, v), scales, exact = quantized_inputs(lengths, hq, hkv, 64, "cuda")
+    fp8_scales = fp8.Fp8Scales(*scales, torch.bfloat16)
+    clean = forward_of("sm90-gluon", q, k, v, offsets, block_size, fp8_scales=fp8_scales)
+    ref = block_attention_reference(*exact, offsets, block_size=block_size)
+    assert snr_db(clean.double(), ref) > MIN_SNR_DB[torch.bfloat16]
+    poisoned = slice(lengths[0], lengths[0] + lengths[1])  # the second sequence
+    for t in (q, k, v):
+        t[poisoned] = float("nan")
+    out = forward_of("sm90-gluon", q, k, v, offsets, block_size, fp8_scales=fp8_scales)
+    outside = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+    outside[poisoned] = False
+    assert torch.equal(out[outside], clean[outside])
+    assert out[poisoned].isnan().all()
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")

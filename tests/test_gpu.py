@@ -16,6 +16,7 @@ from conftest import (
     ON_HOPPER,
     assert_within_2x_pytorch,
     capture_cuda_graph,
+    dispatch_without,
     forward_of,
     make_offsets,
     max_err,
@@ -213,7 +214,7 @@ def test_launchers_fall_back_where_the_gpu_cannot_run_the_rule(heads, angles, li
     limit = limit_kib * 1024
     monkeypatch.setattr(triton.compiler.compiler, "max_shared_mem", lambda device: limit)
     monkeypatch.setattr(devices, "shared_memory_limit", lambda device: limit)
-    monkeypatch.delitem(backends.BACKENDS, "sm90-gluon", raising=False)
+    dispatch_without(monkeypatch, "sm90-gluon")
     plans.forget()
     launches = []
 
@@ -280,7 +281,7 @@ def test_eager_call_without_a_table(num_seqs, heads, head_dim, kernels, monkeypa
     reference's either way, and the gradients those of a call on a layout's table, bitwise. ``kernels="triton"``:
     the Hopper kernels taken out of the dispatcher, so the Triton kernels run these calls on a Hopper GPU too."""
     if kernels == "triton":
-        monkeypatch.delitem(backends.BACKENDS, "sm90-gluon", raising=False)
+        dispatch_without(monkeypatch, "sm90-gluon")
     hopper = ON_HOPPER and backends.sm90_ops is not None and kernels == "dispatched"
     built = []
     build = custom_ops.build_block_table
@@ -527,7 +528,7 @@ def test_sm90_forward_several_items_a_program(heads, block_size, monkeypatch, po
     """Two programs (the grid is one a multiprocessor, here said to be two), so that each runs dozens of items in
     turn: the k/v and q rings and their barriers carried from item to item, past a batch of bounds (32 items), and
     at 128-token blocks the barrier on which both consumers fix a partial block's values, phase after phase; groups
-    of 5 and 6 query heads, unrolled one and two at a time."""
+    of 5 and 6 query heads."""
     monkeypatch.setattr(devices, "multiprocessors", lambda device: 2)
     q, k, v, do, offsets = random_inputs(random_lengths(24, 700, block_size), *heads, 64, torch.bfloat16, "cuda")
     out = forward_of("sm90-gluon", q, k, v, offsets, block_size)

@@ -163,8 +163,8 @@ BACKENDS: dict[str, Backend] = {
                 "at D = 32 to 256 but for the rotary without GQA from D = 4 x block size; with or without GQA, "
                 "fp16/bf16, plain or rotary; the in-block options at 64-token blocks up to D = 128, under GQA not both "
                 "biases together). Forward: warp-specialised and persistent, a TMA producer warp and two consumer "
-                "warpgroups (64-row tiles, D = 32 to 128, fp16/bf16/fp8, plain; 128-token blocks in two halves, "
-                "fp16/bf16; where it measured faster than the Triton forward)", _sm90_why_not,
+                "warpgroups (64-row tiles, D = 32 to 128, fp16/bf16/fp8, plain; 128-token blocks in two halves; "
+                "where it measured faster than the Triton forward)", _sm90_why_not,
                 forward=None if sm90_fwd_ops is None else sm90_fwd_ops.block_attention_fwd_sm90,
                 backward=None if sm90_ops is None else sm90_ops.block_attention_bwd_sm90,
                 finds_blocks=_sm90_finds_blocks),

@@ -254,7 +254,8 @@ def kernel_config(block_size: int, head_dim: int, backward: bool, group: int = 1
     block_d = max(min_width, triton.next_power_of_2(head_dim))
     # The 16-bit rotary forward under GQA past D = 128, without in-block options: whole rows, the group in a program
     # (at 64-token blocks where a program may take the 128 KiB of shared memory it needs: Hopper, the A100; not
-    # sm_86/89, whose programs run two head-dim slices and a query head each, 24 KiB there)
+    # sm_86/89, whose programs run two head-dim slices and a query head each, 24 KiB there: the lean configuration,
+    # chosen here so that no program the GPU refuses is compiled first)
     wide_rotary_group = (not backward and rotary and group > 1 and element_size == 2 and block_d > 128
                          and block_size <= 64 and not in_block_bits and not lean
                          and (block_size < 64 or shared_memory is None or shared_memory >= 128 * 1024))
@@ -1035,7 +1036,11 @@ def block_attention_fwd_triton(
                                fp32_angles=rotate != 0 and sinu_pos.dtype == torch.float32, blocks=blocks,
                                shared_memory=devices.shared_memory_limit(q.device) if q.is_cuda else None)
     rule = config()
-    if fp8_dot and not (fp8_scales is not None and not rotate and rule["CHUNK"] >= 32):
+
+    def takes_fp8_dot(cfg: MappingProxyType) -> bool:  # fp8 q k^T on fp8 tensor cores
+        return fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32
+
+    if fp8_dot and not takes_fp8_dot(rule):
         raise ValueError("fp8_dot needs fp8 inputs, no rotary and head-dim slices at least 32 wide")
     if heads_per_program not in (None, 1) and not _takes_heads_per_program(heads_per_program, hq, group, rule):
         raise ValueError(f"heads_per_program must be 1, or, where one head-dim slice holds the row, the GQA group "
@@ -1060,7 +1065,7 @@ def block_attention_fwd_triton(
         heads = heads_per_program or cfg["HEADS_PER_PROGRAM"]
         launch(
             _block_attention_fwd_kernel, (triton.cdiv(table.num_slots, blocks) * hq // heads + checking,),
-            **arguments, FP8_QK=fp8_scales is not None and not rotate and cfg["CHUNK"] >= 32 and fp8_dot is not False,
+            **arguments, FP8_QK=takes_fp8_dot(cfg) and fp8_dot is not False,
             CHUNK=cfg["CHUNK"], NUM_CHUNKS=cfg["NUM_CHUNKS"], EVEN_D=cfg["EVEN_D"], HEADS_PER_PROGRAM=heads,
             GROUP_STAGES=group_stages or cfg["GROUP_STAGES"], num_warps=num_warps or cfg["NUM_WARPS"],
             **_register_cap(maxnreg or _forward_register_cap(cfg, heads, q, tile, rotate, options)),
@@ -1235,33 +1240,33 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
         rule = {**rule, **whole_rows, "PIPELINE_STAGES": pipeline_stages}
     elif one_block:
         rule = {**rule, "PIPELINE_STAGES": 1}
-    # What no configuration changes, built once (a time bias's buckets among them), before any launch
+    # What every configuration launches with, built once before the first launch: the time bias's buckets among it
+    # (a refused launch must not build them again); each kernel's own arguments are built where that kernel runs.
     common = dict(**table.kernel_args(offsets), num_tokens=n, head_dim=d, scale=scale, qk_scale_log2=scale * LOG2E,
                   BLOCK_SIZE=block_size, DOT_PRECISION=_dot_precision(q.dtype), num_stages=1, **_register_cap(maxnreg),
                   q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_out, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, NUM_KV_HEADS=hkv,
                   GROUP=group)
-    persistent_args = dict(num_slots=table.num_slots, **_strides("q", q), **_strides("k", k),
-                           **_strides("do", grad_out), KV_SHARES_TILE=group == 1 and k.stride() == q.stride(),
-                           DO_SHARES_LAYOUT=grad_out.stride() == q.stride())
-    sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
-    one_block_args = dict(
-        **{name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"), (q, k, v, grad_out, dq, dk, dv))
-           for name, stride in _strides(prefix, t).items()},
-        sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], stride_sn=stride_sn, stride_sd=stride_sd,
-        **in_block.call_args(options, q, offsets, table, block_size), ROTATE=rotate, INLINE_ASM=inline_asm(q),
-        WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in (dq, dk, dv)),
-        HEADS_PER_KV=hq // kv_heads if split else 1)
+    in_block_args = in_block.call_args(options, q, offsets, table, block_size)
 
     def run(cfg: MappingProxyType) -> None:
         shape = {"CHUNK": cfg["CHUNK"], "EVEN_D": cfg["EVEN_D"], "num_warps": num_warps or cfg["NUM_WARPS"]}
         if cfg["PIPELINE_STAGES"] > 1:
             programs = min(table.num_slots * hkv, _persistent_programs(q.device))
-            launch(_block_attention_bwd_persistent_kernel, (programs,), **common, **persistent_args, **shape,
-                   PIPELINE_STAGES=cfg["PIPELINE_STAGES"])
+            launch(_block_attention_bwd_persistent_kernel, (programs,), **common, **shape,
+                   num_slots=table.num_slots, **_strides("q", q), **_strides("k", k), **_strides("do", grad_out),
+                   KV_SHARES_TILE=group == 1 and k.stride() == q.stride(),
+                   DO_SHARES_LAYOUT=grad_out.stride() == q.stride(), PIPELINE_STAGES=cfg["PIPELINE_STAGES"])
             return
         slices = slices_per_program or (cfg["NUM_CHUNKS"] if group == 1 else 1)
+        sinu_ptr, stride_sn, stride_sd = rotary_operand(sinu_pos, q)
         launch(_block_attention_bwd_kernel, (table.num_slots * hkv * (cfg["NUM_CHUNKS"] // slices),),
-               **common, **one_block_args, **shape, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices,
+               **common, **shape, **{name: stride for prefix, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"),
+                                                                       (q, k, v, grad_out, dq, dk, dv))
+                                     for name, stride in _strides(prefix, t).items()},
+               sinu_ptr=sinu_ptr, dpos_ptr=partials[0], dtime_ptr=partials[1], stride_sn=stride_sn,
+               stride_sd=stride_sd, **in_block_args, ROTATE=rotate, INLINE_ASM=inline_asm(q),
+               WIDE_STORES=bool(rotate) and all(wide_stores_ok(g) for g in (dq, dk, dv)),
+               HEADS_PER_KV=hq // kv_heads if split else 1, NUM_CHUNKS=cfg["NUM_CHUNKS"], SLICES_PER_PROGRAM=slices,
                GROUP_STAGES=group_stages or cfg["GROUP_STAGES"])
 
     def leaner() -> list:

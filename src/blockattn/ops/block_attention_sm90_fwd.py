@@ -11,16 +11,15 @@ kv head) in turn, and
   memory, each slot as soon as its consumer released it: two k/v slots a consumer, and q slots for the whole group
   where shared memory holds them (:func:`_q_slots`);
 - two consumer warpgroups take the items in turn (even and odd), so that one's products and softmax run while the
-  other's stores drain. For each query head of its item a consumer computes ``S = Q K^T`` (wgmma from shared
-  memory; the next head's is issued before this head's softmax), the exact softmax of the whole tile (one tile holds
-  every key: no online rescaling), ``O = P V`` with ``P`` in registers, and stores its rows of ``O``.
+  other's stores drain. For each query head of its item in turn a consumer computes ``S = Q K^T`` (wgmma from shared
+  memory), the exact softmax of the whole tile (one tile holds every key: no online rescaling), ``O = P V`` with
+  ``P`` in registers, and stores its rows of ``O``.
 
-128-token blocks (16-bit inputs) run in halves (:func:`_block_attention_fwd_sm90_halves_kernel`): an item is a
-block and a kv head, whose k and v the producer lands once (two slots, each released by both consumers), and each
-consumer takes 64 of the block's query rows against its 128 keys (one consumer holding a 128-row score tile would
-need 128 registers a thread for it alone). The consumers zero the values past a partial block's end half each,
-then wait for each other on a barrier. Under GQA the consumers' loop over the group unrolls at most 4 heads
-(:func:`_heads_a_run`).
+128-token blocks run in halves (:func:`_block_attention_fwd_sm90_halves_kernel`): an item is a block and a kv
+head, whose k and v the producer lands once (two slots, each released by both consumers), and each consumer takes
+64 of the block's query rows against its 128 keys (one consumer holding a 128-row score tile would need 128
+registers a thread for it alone). The consumers zero the values past a partial block's end half each (for fp8
+they widen every block's values half each), then wait for each other on a barrier.
 
 Every program finds its items' bounds 32 at a time (one vector of loads for the batch instead of a chain of
 dependent loads per item). Rows past the tile's end are the next block's (or TMA's zeros): their keys are masked,
@@ -30,8 +29,10 @@ tiles (docs/semantics.md).
 
 fp8 inputs (``ops.fp8``): ``Q K^T`` runs on fp8 wgmma; each consumer widens its item's values into an fp16 tile of
 its own in shared memory (``P V``'s second operand must be K-major at 8 bits, which the value rows are not), rows
-past the tile's end zeroed there, and ``P`` is fp16. The descales are read on the device; an fp8 output is
-saturated to e4m3's range.
+past the tile's end zeroed there, and ``P`` is fp16. At 128-token blocks the two consumers widen half of a block's
+values each into one of two whole-block tiles, taken in turn (each consumer widening the whole block into a tile of
+its own, with no barrier, lost at D = 128: H200, 2026-11-29, 1.57-2.14x -> 1.68-2.27x the floor). The descales are
+read on the device; an fp8 output is saturated to e4m3's range.
 
 What did not pay (H200, the sweep's lengths, bf16, time over the floor; docs/benchmarks.md, 2026-11-28): three
 consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.60x against 1.11x with two; for fp8,
@@ -75,7 +76,7 @@ from .launch import launch
 from .tiles import LOG2E, fp8_out_factor, fp8_output, fp8_score_scale, same_block, softmax_probs, tile_bounds
 
 _HEAD_DIMS = (32, 64, 128)
-_MAX_GROUP = 8  # query heads a kv head (the consumers' group loop is unrolled)
+_MAX_GROUP = 8  # query heads a kv head (as measured and tested)
 _CONSUMERS = gl.constexpr(2)
 _BATCH = 32  # items whose bounds a program loads at once
 _KV_SLOTS = 2  # k/v slots a consumer
@@ -178,41 +179,40 @@ def _q_ready(q_smem, q_ready, qn, Q_SLOTS: gl.constexpr, C: gl.constexpr):
 def _item_heads(q_smem, q_ready, q_empty, k, v, kv_released, first_q, length, start, kv_head, o_ptr, stride_on,
                 qk_scale_log2, out_factor, keys, offs_j, rows, cols, s_zero, o_zero, p_layout: gl.constexpr,
                 out_layout: gl.constexpr, Q_SLOTS: gl.constexpr, C: gl.constexpr, GROUP: gl.constexpr,
-                RUN: gl.constexpr, FP8: gl.constexpr):
+                FP8: gl.constexpr):
     """A consumer's work on one item, every query head of its group in turn (q tiles ``first_q ...`` of consumer
     ``C``): ``S = Q K^T``, the exact softmax over the item's keys (``keys``: :func:`tiles.same_block`'s, or None),
     ``O = P V``, the rows ``rows`` of ``O`` stored up to ``length``; ``kv_released`` arrived on after the last head.
-    Unrolled ``RUN`` heads at a time (:func:`_heads_a_run`: an asynchronous product's handle cannot cross a loop
-    iteration), within which the next head's ``Q K^T`` runs while this head's softmax does."""
+
+    One head at a time. Unrolling 2 or 4 heads, within which the next head's ``Q K^T`` ran during this head's
+    softmax (two score tiles live), lost everywhere but one tie (H200, 2026-11-29, the sweep's lengths, 8 query
+    heads, time over the floor, one head -> the runs of 2026-11-28: bf16 at 128-token blocks, D = 128 8:4 / 8:2 /
+    8:1 1.12 / 1.28 / 1.39x -> 1.17 / 1.40 / 1.65x, D = 64 1.54 / 1.69 / 1.72x -> 1.63 / 1.92 / 2.19x; at 64-token
+    blocks D = 128 8:2 1.14 -> 1.15x, D = 64 8:4 1.11 -> 1.15x, a tie at D = 128 8:4; fp8 at 128-token blocks D =
+    128 8:2 1.66 -> 2.13x, 8:1 1.73 -> 1.84x, D = 64 2.19-2.35x -> 2.51-2.80x)."""
     D: gl.constexpr = q_smem.shape[2]
     pv_dtype: gl.constexpr = gl.float16 if FP8 else q_smem.dtype
-    for run in range(GROUP // RUN):
-        q, q_slot = _q_ready(q_smem, q_ready, first_q + run * RUN, Q_SLOTS, C)
+    for g in range(GROUP):
+        q, q_slot = _q_ready(q_smem, q_ready, first_q + g, Q_SLOTS, C)
         s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        for u in gl.static_range(RUN):
-            g = run * RUN + u
-            scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            mbarrier.arrive(q_empty.index(q_slot))
-            if u + 1 < RUN:
-                q, q_slot = _q_ready(q_smem, q_ready, first_q + g + 1, Q_SLOTS, C)
-                s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            p = softmax_probs(scores, offs_j < length, qk_scale_log2, keys=keys)
-            p = gl.convert_layout(p.to(pv_dtype), p_layout)
-            o = warpgroup_mma(p, v, o_zero, use_acc=False, is_async=True)
-            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
-            mbarrier.arrive(kv_released, pred=g == GROUP - 1)
-            o = fp8_output(o, out_factor, FP8, o_ptr.dtype.element_ty)
-            out = gl.convert_layout(o.to(o_ptr.dtype.element_ty), out_layout)
-            base = o_ptr + start * stride_on + (kv_head * GROUP + g) * D
-            gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :], out,
-                     mask=(rows < length)[:, None])
+        scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(q_empty.index(q_slot))
+        p = softmax_probs(scores, offs_j < length, qk_scale_log2, keys=keys)
+        p = gl.convert_layout(p.to(pv_dtype), p_layout)
+        o = warpgroup_mma(p, v, o_zero, use_acc=False, is_async=True)
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        mbarrier.arrive(kv_released, pred=g == GROUP - 1)
+        o = fp8_output(o, out_factor, FP8, o_ptr.dtype.element_ty)
+        out = gl.convert_layout(o.to(o_ptr.dtype.element_ty), out_layout)
+        base = o_ptr + start * stride_on + (kv_head * GROUP + g) * D
+        gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :], out, mask=(rows < length)[:, None])
 
 
 @gluon.jit
 def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr,
-              FP8: gl.constexpr, RUN: gl.constexpr, C: gl.constexpr):
+              FP8: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup ``C``: the items ``j`` of this program with ``j % _CONSUMERS == C``, every query head of
-    each; the next head's ``Q K^T`` runs while this one's softmax does."""
+    each."""
     (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, o_ptr, stride_on, block_seq_ptr, block_cum_ptr, offsets_ptr,
      num_seqs, num_tokens, num_items, qk_scale_log2, v16_smem, q_descale_ptr, k_descale_ptr, v_descale_ptr,
      out_scale_ptr) = work
@@ -281,7 +281,7 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                     keys = None
                 _item_heads(q_smem, q_ready, q_empty, k, v, kv_empty.index(slot), done * GROUP, length, start, kv_head,
                             o_ptr, stride_on, qk_scale_log2, out_factor, keys, offs_j, rows, cols, s_zero, o_zero,
-                            p_layout, out_layout, Q_SLOTS, C, GROUP, RUN, FP8)
+                            p_layout, out_layout, Q_SLOTS, C, GROUP, FP8)
                 done += 1
 
 
@@ -291,7 +291,7 @@ def _block_attention_fwd_sm90_kernel(
     num_seqs, num_tokens, num_items, qk_scale_log2, stride_on, q_descale_ptr, k_descale_ptr, v_descale_ptr,
     out_scale_ptr,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, KV_SLOTS: gl.constexpr,
-    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr, FP8: gl.constexpr, RUN: gl.constexpr,
+    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr, FP8: gl.constexpr,
 ):
     TILE: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -321,8 +321,8 @@ def _block_attention_fwd_sm90_kernel(
             v_descale_ptr, out_scale_ptr)
     loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr,
              block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items)
-    gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, RUN, 0)),
-                        (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, RUN, 1)),
+    gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 0)),
+                        (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 1)),
                         (_producer, (loads, NUM_KV_HEADS, GROUP, BLOCKS, BATCH))],
                        [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
@@ -360,19 +360,22 @@ def _halves_producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BAT
 
 @gluon.jit
 def _halves_consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BATCH: gl.constexpr,
-                     RUN: gl.constexpr, C: gl.constexpr):
+                     FP8: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup ``C`` at 128-token blocks: query rows ``[64 C, 64 C + 64)`` of every item of this
-    program, against the block's 128 keys; the next head's ``Q K^T`` runs while this one's softmax does."""
+    program, against the block's 128 keys."""
     (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, values_fixed, o_ptr, stride_on, block_seq_ptr,
-     block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items, qk_scale_log2) = work
+     block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items, qk_scale_log2, v16_smem, q_descale_ptr,
+     k_descale_ptr, v_descale_ptr, out_scale_ptr) = work
     TILE: gl.constexpr = q_smem.shape[1]
     KEYS: gl.constexpr = kv_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     KV_SLOTS: gl.constexpr = kv_smem.shape[0] // 2
     Q_SLOTS: gl.constexpr = q_smem.shape[0] // _CONSUMERS
+    pv_dtype: gl.constexpr = gl.float16 if FP8 else dtype
     s_layout: gl.constexpr = mma_layout(TILE, KEYS, 4, dtype)
-    o_layout: gl.constexpr = mma_layout(TILE, D, 4, dtype)
+    o_layout: gl.constexpr = mma_layout(TILE, D, 4, pv_dtype)
+    widen_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // D, D // 16], [4, 1], [1, 0])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     out_layout: gl.constexpr = rows_layout(D, 4)
     offs_j = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
@@ -380,9 +383,11 @@ def _halves_consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BATC
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, out_layout))
     s_zero = gl.zeros([TILE, KEYS], gl.float32, s_layout)
     o_zero = gl.zeros([TILE, D], gl.float32, o_layout)
+    qk_scale_log2 = fp8_score_scale(qk_scale_log2, q_descale_ptr, k_descale_ptr, FP8)
+    out_factor = fp8_out_factor(v_descale_ptr, out_scale_ptr, FP8, o_ptr.dtype.element_ty)
     count = (num_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
     done = 0
-    fixes = 0  # partial blocks, whose values both consumers fix (the phase of values_fixed)
+    fixes = 0  # blocks whose values both consumers fix: partial ones, every one for fp8 (the phase of values_fixed)
     for first in range(0, count, BATCH):
         starts, lengths, _, _, _ = _batch_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
                                                  num_items, first, NUM_KV_HEADS, KEYS, 1, BATCH)
@@ -395,10 +400,22 @@ def _halves_consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BATC
                 mbarrier.wait(kv_ready.index(slot), (done // KV_SLOTS) & 1)
                 k = kv_smem.index(2 * slot)
                 v = kv_smem.index(2 * slot + 1)
-                if length < KEYS:
+                if FP8:
+                    # Each consumer widens its half of the value rows (exactly) into the block's fp16 tile, the
+                    # rows past the block's end zeroed; two such tiles in turn, so that one consumer widens the
+                    # next block's while the other still reads this one's (it gets no further ahead: it waits for
+                    # the other's half below).
+                    values = v.slice(C * TILE, TILE, dim=0).load(widen_layout).to(gl.float16)
+                    v = v16_smem.index(fixes % 2)
+                    if length < KEYS:
+                        value_rows = C * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, widen_layout))
+                        values = gl.where((value_rows < length)[:, None], values, 0.0)
+                    v.slice(C * TILE, TILE, dim=0).store(values)
+                elif length < KEYS:
                     # The values past the block's end are the next block's (or TMA's zeros): P is 0 there, but
-                    # 0 * NaN is not. Each consumer zeroes its half of the rows, then waits for the other's.
+                    # 0 * NaN is not. Each consumer zeroes its half of the rows.
                     _zero_values_past(v, 0, length, C, False)
+                if FP8 or length < KEYS:  # then waits for the other's half
                     fence_async_shared()
                     mbarrier.arrive(values_fixed)
                     mbarrier.wait(values_fixed, fixes & 1)
@@ -406,17 +423,18 @@ def _halves_consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BATC
                 # Query rows past the block's end (the second half of a block of up to 64 tokens) are computed
                 # and not stored.
                 _item_heads(q_smem, q_ready, q_empty, k, v, kv_empty.index(slot), done * GROUP, length, start, kv_head,
-                            o_ptr, stride_on, qk_scale_log2, 1.0, None, offs_j, rows, cols, s_zero, o_zero, p_layout,
-                            out_layout, Q_SLOTS, C, GROUP, RUN, False)
+                            o_ptr, stride_on, qk_scale_log2, out_factor, None, offs_j, rows, cols, s_zero, o_zero,
+                            p_layout, out_layout, Q_SLOTS, C, GROUP, FP8)
                 done += 1
 
 
 @gluon.jit
 def _block_attention_fwd_sm90_halves_kernel(
     q_desc, k_desc, v_desc, o_ptr, block_seq_ptr, block_cum_ptr, offsets_ptr,
-    num_seqs, num_tokens, num_items, qk_scale_log2, stride_on,
+    num_seqs, num_tokens, num_items, qk_scale_log2, stride_on, q_descale_ptr, k_descale_ptr, v_descale_ptr,
+    out_scale_ptr,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, KV_SLOTS: gl.constexpr, Q_SLOTS: gl.constexpr,
-    BATCH: gl.constexpr, RUN: gl.constexpr,
+    BATCH: gl.constexpr, FP8: gl.constexpr,
 ):
     TILE: gl.constexpr = q_desc.block_type.shape[0]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -425,8 +443,13 @@ def _block_attention_fwd_sm90_halves_kernel(
     dtype: gl.constexpr = q_desc.dtype
     kv_smem = gl.allocate_shared_memory(dtype, [2 * KV_SLOTS, KEYS, D], k_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS * Q_SLOTS, TILE, D], q_desc.layout)
+    if FP8:  # the blocks' values widened to fp16, two tiles in turn
+        v16_smem = gl.allocate_shared_memory(gl.float16, [2, KEYS, D],
+                                             gl.NVMMASharedLayout.get_default_for([KEYS, D], gl.float16))
+    else:  # a stand-in, never read
+        v16_smem = kv_smem
     # Landed (the producer's TMA) and released (by both consumers) for each k/v slot; landed and released for each
-    # q slot; the values of a partial block zeroed by both consumers.
+    # q slot; the values of a partial block zeroed (for fp8, of every block widened) by both consumers.
     kv_ready = gl.allocate_shared_memory(gl.int64, [KV_SLOTS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [KV_SLOTS, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * Q_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -440,35 +463,26 @@ def _block_attention_fwd_sm90_halves_kernel(
         mbarrier.init(q_empty.index(i), count=1)
     mbarrier.init(values_fixed.index(0), count=_CONSUMERS)
     work = (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, values_fixed.index(0), o_ptr, stride_on,
-            block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items, qk_scale_log2)
+            block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items, qk_scale_log2, v16_smem,
+            q_descale_ptr, k_descale_ptr, v_descale_ptr, out_scale_ptr)
     loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr,
              block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items)
-    gl.warp_specialize([(_halves_consumer, (work, NUM_KV_HEADS, GROUP, BATCH, RUN, 0)),
-                        (_halves_consumer, (work, NUM_KV_HEADS, GROUP, BATCH, RUN, 1)),
+    gl.warp_specialize([(_halves_consumer, (work, NUM_KV_HEADS, GROUP, BATCH, FP8, 0)),
+                        (_halves_consumer, (work, NUM_KV_HEADS, GROUP, BATCH, FP8, 1)),
                         (_halves_producer, (loads, NUM_KV_HEADS, GROUP, BATCH))],
                        [4, 1], [_HALVES_CONSUMER_REGS, _HALVES_PRODUCER_REGS])
 
 
-def _heads_a_run(group: int) -> int:
-    """Query heads a consumer's loop over the group unrolls (within a run the next head's ``Q K^T`` runs during this
-    head's softmax): the whole group up to 4, else runs of 2 (or 1 for an odd group). Each unrolled head is a copy of
-    the body, and 8 copies slowed both kernels (H200, 2026-11-28, 8 query heads a kv head, time over the floor, 8 ->
-    4 -> 2 a run: 128-token blocks at D = 128 3.50 -> 2.02 -> 1.70x, at D = 64 4.62 -> 2.56 -> 2.11x; fp8 at
-    64-token blocks, D = 128, 2.47 -> 1.47 -> 1.35x), where with 4 query heads a kv head runs of 2 lost (1.44 ->
-    1.75x at 128-token blocks, D = 128)."""
-    if group <= 4:
-        return group
-    return 2 if group % 2 == 0 else 1
-
-
-def _q_slots(head_dim: int, group: int, element_size: int) -> int:
+def _q_slots(head_dim: int, group: int, element_size: int, block_size: int) -> int:
     """q slots a consumer: the whole group's (up to 8), as many as :data:`_RING_BYTES` holds beside the k/v slots
-    (and, for fp8, the consumers' values widened to 16 bits; the compiler's staging of the outputs takes the rest
-    of the shared memory), at least two: the producer waits for a free q slot, and with fewer slots than the group
-    it cannot load the other consumer's next item meanwhile. At 128-token blocks the two shared k/v slots hold as
-    many bytes as the four 64-row ones of the other kernel, so the same count fits."""
+    (and, for fp8, the values widened to 16 bits: a 64-row tile a consumer, or at 128-token blocks two whole blocks'
+    in turn; the compiler's staging of the outputs takes the rest of the shared memory), at least two: the producer
+    waits for a free q slot, and with fewer slots than the group it cannot load the other consumer's next item
+    meanwhile. At 128-token blocks the two shared k/v slots hold as many bytes as the four 64-row ones of the other
+    kernel."""
     tile = tiles.TILE_ROWS * head_dim * element_size
-    ring = _RING_BYTES - (_CONSUMERS * tiles.TILE_ROWS * head_dim * 2 if element_size == 1 else 0)
+    widened_rows = 2 * max(block_size, tiles.TILE_ROWS)
+    ring = _RING_BYTES - (widened_rows * head_dim * 2 if element_size == 1 else 0)
     return max(2, min(group, ring // (_CONSUMERS * tile) - 2 * _KV_SLOTS))
 
 
@@ -479,33 +493,36 @@ def why_not(call) -> str | None:
 
 
 def _triton_faster(call) -> str | None:
-    """Where the Triton forward measured faster. This kernel runs D = 128 under GQA of 2 to 4 query heads a kv head
-    and D = 64 with 2 (H200, the sweep's lengths, bf16, 8 query heads, time over the floor, Triton -> this kernel,
-    2026-11-28: D = 128 8:4 1.13 -> 1.08x at 64-token blocks, 1.16 -> 1.10x at 32, 1.20 -> 1.12x at 16; 8:2 1.20 ->
-    1.11x, 1.22 -> 1.12x, 1.24 -> 1.18x; D = 64 8:4 1.17 -> 1.12x, 1.31 -> 1.17x, 1.33 -> 1.30x). The Triton forward
-    keeps the rest: without GQA (64-token blocks at D = 128 1.00x against 1.04x: its programs keep the memory busy
-    there; at 16- and 32-token blocks with D = 64 this kernel measured faster than a Triton program a head, 1.30 ->
-    1.28x and 1.17 -> 1.07x, but its tiles of several blocks let a NaN in v reach the tile's other blocks, where the
-    Triton forward, one block a program without GQA, keeps it in its own; since 2026-11-29 that forward runs 4 heads
-    a program there, 1.10x and 1.07x), at 8 query heads a kv head (1.13-1.49x against 1.31-2.67x), at 4 with
-    D = 64 (1.12-1.24x against 1.16-1.30x) and at D = 32 (1.27-1.87x against 1.41-2.67x, a tie at 16-token blocks
-    without GQA), where two consumers' chains of products, softmax and stores cannot keep up with the loads. fp8
-    runs here at D = 128 under GQA of 2 to 4 query heads a kv head, without GQA at 64-token blocks, and at D = 64
-    with 2 at 64-token blocks (``benchmarks/hopper_ab.py --dtype float8_e4m3fn``, H200, 2026-11-28 20:45 UTC,
-    Triton -> this kernel at 64-, 32- and 16-token blocks: 8:4 1.36 -> 1.22x, 1.73 -> 1.32x, 1.76 -> 1.45x; 8:2
-    1.29 -> 1.31x (a tie), 1.63 -> 1.36x, 1.71 -> 1.52x; 8:8 1.30 -> 1.20x at 64; D = 64 8:4 1.54 -> 1.48x at 64).
-    The Triton forward keeps fp8 without GQA at 32- and 16-token blocks (1.46 and 1.59x against 1.37 and 1.48x,
-    for the NaN exception above; since 2026-11-29, 8 heads a program, 1.32 and 1.27x), at 8 query heads a kv head
-    (1.28-1.61x against 2.47-3.16x) and at D = 64 and 32 but the case above (D = 64: 1.39-1.93x against
-    1.42-2.88x). At 128-token blocks (16-bit inputs) this kernel
-    runs all but D = 32 under GQA (2026-11-28 22:06-22:10 UTC, Triton -> this kernel at 8:8 / 8:4 / 8:2 / 8:1:
-    D = 128 1.31 -> 1.10x, 1.63 -> 1.19x, 1.86 -> 1.44x, 2.06 -> 1.70x; D = 64 1.46 -> 1.21x, 2.02 -> 1.64x, 2.15 ->
-    1.91x, 2.33 -> 2.11x; D = 32 2.41 -> 2.05x without GQA, but 2.77 -> 3.05x and 2.93 -> 3.33x at 8:4 and 8:2).
-    Measured on an H200 only (no H100 was lent)."""
+    """Where the Triton forward measured faster (H200, the sweep's lengths, 8 query heads, time over the floor;
+    ``Hq:Hkv``).
+
+    In 64-row tiles this kernel runs 16 bits at D = 128 under GQA of 2 to 4 query heads a kv head and at D = 64 with
+    2 (2026-11-28, Triton -> this kernel: D = 128 8:4 1.13 -> 1.08x at 64-token blocks, 1.16 -> 1.10x at 32, 1.20 ->
+    1.12x at 16; 8:2 1.20 -> 1.11x, 1.22 -> 1.12x, 1.24 -> 1.18x; D = 64 8:4 1.17 -> 1.12x, 1.31 -> 1.17x, 1.33 ->
+    1.30x; 2026-11-29, one head at a time: D = 64 8:4 1.20 -> 1.13x at 64, 1.37 -> 1.27x at 32). The Triton forward
+    keeps the rest: without GQA (64-token blocks at D = 128 1.03x against 1.08x: its programs keep the memory busy
+    there; at 16- and 32-token blocks this kernel's tiles of several blocks would let a NaN in v reach the tile's
+    other blocks, where the Triton forward, one block a program without GQA, keeps it in its own), at 8 query heads a
+    kv head (2026-11-29: D = 128 1.26x against 1.27x at 64-token blocks, 1.37x against 1.35x at 32; D = 64 1.17x
+    against 1.23x), at 4 with D = 64 (2026-11-28: 1.12-1.24x against 1.16-1.30x) and at D = 32 (2026-11-29: 1.16-1.39x
+    against 1.44-1.83x). fp8 runs here at D = 128 under GQA of 2 to 4 query heads a kv head, without GQA at 64-token
+    blocks, and at D = 64 with 2 at 64-token blocks (2026-11-28, ``benchmarks/hopper_ab.py --dtype float8_e4m3fn``,
+    Triton -> this kernel at 64-, 32- and 16-token blocks: 8:4 1.36 -> 1.22x, 1.73 -> 1.32x, 1.76 -> 1.45x; 8:2 1.29
+    -> 1.31x (a tie), 1.63 -> 1.36x, 1.71 -> 1.52x; 8:8 1.30 -> 1.20x at 64; D = 64 8:4 1.54 -> 1.44x at 64 on
+    2026-11-29). The Triton forward keeps fp8 without GQA at 32- and 16-token blocks (the NaN exception above), at 8
+    query heads a kv head (2026-11-29: 1.30x against 1.33x at D = 128) and at D = 64 and 32 but the case above (D =
+    64 8:8 1.24x against 1.43x, D = 32 1.46-1.89x against 2.31-2.42x).
+
+    At 128-token blocks this kernel runs every head dim it takes, but fp8 at D = 32 without GQA (2026-11-29, one head
+    at a time, Triton -> this kernel at 8:8 / 8:4 / 8:2 / 8:1; 16 bits: D = 128 1.31 -> 1.09x, 1.60 -> 1.15x, 1.87
+    -> 1.29x, 2.06 -> 1.40x; D = 64 1.47 -> 1.20x, 2.02 -> 1.57x, 2.17 -> 1.73x, 2.35 -> 1.74x; D = 32 2.42 ->
+    2.04x, 2.77 -> 2.58x, 2.96 -> 2.88x, 3.11 -> 3.09x; fp8: D = 128 1.97 -> 1.59x, 2.35 -> 1.62x, 2.63 -> 1.68x,
+    2.63 -> 1.74x; D = 64 2.14 -> 2.16x (a tie), 2.58 -> 2.23x, 2.91 -> 2.36x, 3.04 -> 2.38x; D = 32 3.40 -> 3.80x,
+    4.05 -> 4.04x, 4.42 -> 3.99x, 4.87 -> 4.14x). Measured on an H200 only (no H100 was lent)."""
     group = call.num_heads // call.num_kv_heads
     if call.block_size > tiles.TILE_ROWS:
-        if call.head_dim == 32 and group > 1:
-            return "the Triton forward measured faster at 128-token blocks with D = 32 under GQA"
+        if call.dtype == fp8.FP8_DTYPE and call.head_dim == 32 and group == 1:
+            return "the Triton forward measured faster for fp8 at 128-token blocks with D = 32 without GQA"
         return None
     if call.dtype == fp8.FP8_DTYPE:
         if call.head_dim == 128 and (2 <= group <= 4 or (group == 1 and call.block_size == 64)):
@@ -526,8 +543,6 @@ def kernel_reason(call) -> str | None:
         return "takes float16, bfloat16 and float8_e4m3fn only"
     if call.in_block or call.rotate:
         return "takes no rotary and no in-block option"
-    if call.block_size > tiles.TILE_ROWS and call.dtype == fp8.FP8_DTYPE:
-        return f"takes fp8 in blocks of up to {tiles.TILE_ROWS} tokens"
     if call.head_dim not in _HEAD_DIMS:
         return f"takes D in {_HEAD_DIMS}"
     if call.num_heads // call.num_kv_heads > _MAX_GROUP:
@@ -551,22 +566,23 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return out
     tile = tiles.TILE_ROWS
     grid = (min(num_items, devices.multiprocessors(q.device)),)
-    q_slots = _q_slots(d, h // kv_heads, q.element_size())
+    q_slots = _q_slots(d, h // kv_heads, q.element_size(), block_size)
+    fp8_args = fp8.no_scales_args(out) if fp8_scales is None else fp8_scales.kernel_args()
     if block_size > tile:  # both consumers on each block, a half of its query rows each
         launch(
             _block_attention_fwd_sm90_halves_kernel, grid, q_desc=_descriptor(q, tile),
             k_desc=_descriptor(k, block_size), v_desc=_descriptor(v, block_size), o_ptr=out,
             **table.kernel_args(offsets), num_tokens=n, num_items=num_items, qk_scale_log2=scale * LOG2E,
-            stride_on=out.stride(0), NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, KV_SLOTS=_KV_SLOTS, Q_SLOTS=q_slots,
-            BATCH=_BATCH, RUN=_heads_a_run(h // kv_heads), num_warps=4,
+            stride_on=out.stride(0), **fp8_args, NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, KV_SLOTS=_KV_SLOTS,
+            Q_SLOTS=q_slots, BATCH=_BATCH, FP8=fp8_scales is not None, num_warps=4,
         )
         return out
     launch(
         _block_attention_fwd_sm90_kernel, grid,
         q_desc=_descriptor(q, tile), k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile), o_ptr=out,
         **table.kernel_args(offsets), num_tokens=n, num_items=num_items, qk_scale_log2=scale * LOG2E,
-        stride_on=out.stride(0), **(fp8.no_scales_args(out) if fp8_scales is None else fp8_scales.kernel_args()),
+        stride_on=out.stride(0), **fp8_args,
         NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=_KV_SLOTS,
-        Q_SLOTS=q_slots, BATCH=_BATCH, FP8=fp8_scales is not None, RUN=_heads_a_run(h // kv_heads), num_warps=4,
+        Q_SLOTS=q_slots, BATCH=_BATCH, FP8=fp8_scales is not None, num_warps=4,
     )
     return out
