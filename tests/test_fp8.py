@@ -80,15 +80,18 @@ def test_sm90_forward(hq, hkv, head_dim, block_size, out_dtype, poisoned_outputs
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("ends_early", [True, False], ids=["short-first", "long-first"])
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("hq,hkv", [(3, 3), (6, 2)])
-def test_sm90_forward_several_items_a_program(hq, hkv, block_size, monkeypatch, poisoned_outputs):
+def test_sm90_forward_several_items_a_program(hq, hkv, block_size, ends_early, monkeypatch, poisoned_outputs):
     """Two programs (the grid is one a multiprocessor, here said to be two), each running dozens of items in turn: at
     128-token blocks the two widened value tiles taken in turn and the barrier on which both consumers widen every
     block's values, phase after phase. Then a NaN in one sequence's q, k and v, which the partial block before it
-    loads past its end, reaches no other row."""
+    loads past its end, reaches no other row: that block ends in the first or (at 128-token blocks) the second half
+    of its rows, each widened by one consumer."""
     monkeypatch.setattr(devices, "multiprocessors", lambda device: 2)
-    lengths = [block_size // 2 + 5, 23] + torch.randint(0, 700, (24,)).tolist() + odd_lengths(block_size)
+    lengths = ([23 if ends_early else block_size // 2 + 5, 23] + torch.randint(0, 700, (24,)).tolist()
+               + odd_lengths(block_size))
     offsets = make_offsets(lengths, "cuda")
     (q, k, v), scales, exact = quantized_inputs(lengths, hq, hkv, 64, "cuda")
     fp8_scales = fp8.Fp8Scales(*scales, torch.bfloat16)

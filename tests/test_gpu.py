@@ -536,15 +536,16 @@ def test_sm90_forward_several_items_a_program(heads, block_size, monkeypatch, po
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("ends_early", [True, False], ids=["short-first", "long-first"])
 @pytest.mark.parametrize("backend", ["sm90-gluon", "triton"])
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_forward_nan_stays_in_its_block(backend, block_size):
+def test_forward_nan_stays_in_its_block(backend, block_size, ends_early):
     """A NaN in one sequence's q, k, v reaches no other row, though the kernels load it with the rows of the
     partial block before it (there zeroed before the product: at 128-token blocks each consumer zeroes half the
-    rows, here the first sequence's second half). (Tiles of several 16- or 32-token blocks do not keep a NaN or
-    inf of v in its block: docs/semantics.md.)"""
+    rows, here the first sequence's first half or second half). (Tiles of several 16- or 32-token blocks do not
+    keep a NaN or inf of v in its block: docs/semantics.md.)"""
     scale = block_size // 64
-    lengths = [40 * scale + 30 * (scale - 1), 23, 64 * scale, 9, 70 * scale]
+    lengths = [23 if ends_early else 40 * scale + 30 * (scale - 1), 23, 64 * scale, 9, 70 * scale]
     q, k, v, _, offsets = random_inputs(lengths, 8, 2, 64, torch.bfloat16, "cuda")
     clean = forward_of(backend, q, k, v, offsets, block_size)
     poisoned = slice(lengths[0], lengths[0] + lengths[1])  # the second sequence

@@ -1240,8 +1240,9 @@ def _launch_bwd(grad_out, q, k, v, offsets, table, block_size, scale, sinu_pos, 
         rule = {**rule, **whole_rows, "PIPELINE_STAGES": pipeline_stages}
     elif one_block:
         rule = {**rule, "PIPELINE_STAGES": 1}
-    # What every configuration launches with, built once before the first launch: the time bias's buckets among it
-    # (a refused launch must not build them again); each kernel's own arguments are built where that kernel runs.
+    # Built once, before the first launch: what both kernels take, and the one-block kernel's in-block arguments (a
+    # time bias's buckets: a refused launch must not build them again); the rest of each kernel's arguments are
+    # built where that kernel runs.
     common = dict(**table.kernel_args(offsets), num_tokens=n, head_dim=d, scale=scale, qk_scale_log2=scale * LOG2E,
                   BLOCK_SIZE=block_size, DOT_PRECISION=_dot_precision(q.dtype), num_stages=1, **_register_cap(maxnreg),
                   q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_out, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, NUM_KV_HEADS=hkv,

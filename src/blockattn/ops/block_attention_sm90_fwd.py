@@ -176,6 +176,22 @@ def _q_ready(q_smem, q_ready, qn, Q_SLOTS: gl.constexpr, C: gl.constexpr):
 
 
 @gluon.jit
+def _widen_values(values, widened, first_row, length):
+    """fp8 value rows (``values``, a ``[rows, D]`` tile of shared memory: the tile's rows ``first_row`` on) widened,
+    exactly, into ``widened`` (the same shape in fp16), the rows from the tile's ``length`` on zeroed (the next
+    block's, or TMA's zeros: ``P`` is 0 there, but 0 * NaN is not). Full tiles take no select (up to 8% on the
+    16-bit outputs' kernel: H200, 2026-11-28)."""
+    ROWS: gl.constexpr = values.shape[0]
+    D: gl.constexpr = values.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // D, D // 16], [4, 1], [1, 0])
+    tile = values.load(layout).to(gl.float16)
+    if length < first_row + ROWS:
+        rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        tile = gl.where((rows < length)[:, None], tile, 0.0)
+    widened.store(tile)
+
+
+@gluon.jit
 def _item_heads(q_smem, q_ready, q_empty, k, v, kv_released, first_q, length, start, kv_head, o_ptr, stride_on,
                 qk_scale_log2, out_factor, keys, offs_j, rows, cols, s_zero, o_zero, p_layout: gl.constexpr,
                 out_layout: gl.constexpr, Q_SLOTS: gl.constexpr, C: gl.constexpr, GROUP: gl.constexpr,
@@ -184,12 +200,13 @@ def _item_heads(q_smem, q_ready, q_empty, k, v, kv_released, first_q, length, st
     ``C``): ``S = Q K^T``, the exact softmax over the item's keys (``keys``: :func:`tiles.same_block`'s, or None),
     ``O = P V``, the rows ``rows`` of ``O`` stored up to ``length``; ``kv_released`` arrived on after the last head.
 
-    One head at a time. Unrolling 2 or 4 heads, within which the next head's ``Q K^T`` ran during this head's
-    softmax (two score tiles live), lost everywhere but one tie (H200, 2026-11-29, the sweep's lengths, 8 query
-    heads, time over the floor, one head -> the runs of 2026-11-28: bf16 at 128-token blocks, D = 128 8:4 / 8:2 /
-    8:1 1.12 / 1.28 / 1.39x -> 1.17 / 1.40 / 1.65x, D = 64 1.54 / 1.69 / 1.72x -> 1.63 / 1.92 / 2.19x; at 64-token
-    blocks D = 128 8:2 1.14 -> 1.15x, D = 64 8:4 1.11 -> 1.15x, a tie at D = 128 8:4; fp8 at 128-token blocks D =
-    128 8:2 1.66 -> 2.13x, 8:1 1.73 -> 1.84x, D = 64 2.19-2.35x -> 2.51-2.80x)."""
+    One head at a time. The old rule's runs of 2 or 4 heads unrolled, within which the next head's ``Q K^T`` ran
+    during this head's softmax (two score tiles live), lost or tied everywhere (H200, 2026-11-29, the sweep's
+    lengths, 8 query heads, time over the floor, one head -> that rule's runs: bf16 at 128-token blocks, D = 128 8:4
+    / 8:2 / 8:1 1.12 / 1.28 / 1.39x -> 1.17 / 1.40 / 1.65x, D = 64 1.54 / 1.69 / 1.72x -> 1.63 / 1.92 / 2.19x; at
+    64-token blocks D = 128 8:2 1.14 -> 1.15x, D = 64 8:4 1.11 -> 1.15x, ties at D = 128 8:4 at 64- and 32-token
+    blocks; fp8 at 128-token blocks D = 128 8:2 1.66 -> 2.13x, 8:1 1.73 -> 1.84x, D = 64 2.19-2.35x -> 2.51-2.80x).
+    Runs of 4 took up to 46% longer (bf16 at 128-token blocks, D = 64 8:1, 1.72 -> 2.51x)."""
     D: gl.constexpr = q_smem.shape[2]
     pv_dtype: gl.constexpr = gl.float16 if FP8 else q_smem.dtype
     for g in range(GROUP):
@@ -226,7 +243,6 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
     s_layout: gl.constexpr = mma_layout(TILE, TILE, 4, dtype)
     pv_dtype: gl.constexpr = gl.float16 if FP8 else dtype
     o_layout: gl.constexpr = mma_layout(TILE, D, 4, pv_dtype)
-    widen_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // D, D // 16], [4, 1], [1, 0])
     # 16-bit P stays in registers as the second product's first operand: the score accumulator's layout is that
     # operand's (no data moves).
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -257,15 +273,9 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                 mbarrier.wait(kv_ready.index(slot), (done // KV_SLOTS) & 1)
                 k = kv_smem.index(2 * slot)
                 v = kv_smem.index(2 * slot + 1)
-                if FP8:
-                    # Widened (exactly) into this consumer's fp16 tile, the rows past the tile's end zeroed (a select
-                    # on full tiles too cost up to 8%: H200, 2026-11-28).
-                    values = v.load(widen_layout).to(gl.float16)
+                if FP8:  # widened into this consumer's fp16 tile
+                    _widen_values(v, v16_smem.index(C), 0, length)
                     v = v16_smem.index(C)
-                    if length < TILE:
-                        value_rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, widen_layout))
-                        values = gl.where((value_rows < length)[:, None], values, 0.0)
-                    v.store(values)
                     fence_async_shared()
                 elif length < TILE:
                     # The values past the tile's end are the next block's (or TMA's zeros): P is 0 there, but 0 * NaN
@@ -375,7 +385,6 @@ def _halves_consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BATC
     pv_dtype: gl.constexpr = gl.float16 if FP8 else dtype
     s_layout: gl.constexpr = mma_layout(TILE, KEYS, 4, dtype)
     o_layout: gl.constexpr = mma_layout(TILE, D, 4, pv_dtype)
-    widen_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // D, D // 16], [4, 1], [1, 0])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     out_layout: gl.constexpr = rows_layout(D, 4)
     offs_j = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
@@ -401,16 +410,13 @@ def _halves_consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BATC
                 k = kv_smem.index(2 * slot)
                 v = kv_smem.index(2 * slot + 1)
                 if FP8:
-                    # Each consumer widens its half of the value rows (exactly) into the block's fp16 tile, the
-                    # rows past the block's end zeroed; two such tiles in turn, so that one consumer widens the
-                    # next block's while the other still reads this one's (it gets no further ahead: it waits for
-                    # the other's half below).
-                    values = v.slice(C * TILE, TILE, dim=0).load(widen_layout).to(gl.float16)
-                    v = v16_smem.index(fixes % 2)
-                    if length < KEYS:
-                        value_rows = C * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, widen_layout))
-                        values = gl.where((value_rows < length)[:, None], values, 0.0)
-                    v.slice(C * TILE, TILE, dim=0).store(values)
+                    # Each consumer widens its half of the value rows into the block's fp16 tile; two such tiles in
+                    # turn, so that one consumer widens the next block's while the other still reads this one's (it
+                    # gets no further ahead: it waits for the other's half below).
+                    widened = v16_smem.index(fixes % 2)
+                    _widen_values(v.slice(C * TILE, TILE, dim=0), widened.slice(C * TILE, TILE, dim=0), C * TILE,
+                                  length)
+                    v = widened
                 elif length < KEYS:
                     # The values past the block's end are the next block's (or TMA's zeros): P is 0 there, but
                     # 0 * NaN is not. Each consumer zeroes its half of the rows.
@@ -483,7 +489,7 @@ def _q_slots(head_dim: int, group: int, element_size: int, block_size: int) -> i
     tile = tiles.TILE_ROWS * head_dim * element_size
     widened_rows = 2 * max(block_size, tiles.TILE_ROWS)
     ring = _RING_BYTES - (widened_rows * head_dim * 2 if element_size == 1 else 0)
-    return max(2, min(group, ring // (_CONSUMERS * tile) - 2 * _KV_SLOTS))
+    return int(max(2, min(group, ring // (_CONSUMERS * tile) - 2 * _KV_SLOTS)))
 
 
 def why_not(call) -> str | None:
@@ -503,7 +509,7 @@ def _triton_faster(call) -> str | None:
     keeps the rest: without GQA (64-token blocks at D = 128 1.03x against 1.08x: its programs keep the memory busy
     there; at 16- and 32-token blocks this kernel's tiles of several blocks would let a NaN in v reach the tile's
     other blocks, where the Triton forward, one block a program without GQA, keeps it in its own), at 8 query heads a
-    kv head (2026-11-29: D = 128 1.26x against 1.27x at 64-token blocks, 1.37x against 1.35x at 32; D = 64 1.17x
+    kv head (2026-11-29: D = 128 1.26x against 1.27x at 64-token blocks, 1.37x against 1.35x at 32; D = 64 1.18x
     against 1.23x), at 4 with D = 64 (2026-11-28: 1.12-1.24x against 1.16-1.30x) and at D = 32 (2026-11-29: 1.16-1.39x
     against 1.44-1.83x). fp8 runs here at D = 128 under GQA of 2 to 4 query heads a kv head, without GQA at 64-token
     blocks, and at D = 64 with 2 at 64-token blocks (2026-11-28, ``benchmarks/hopper_ab.py --dtype float8_e4m3fn``,
