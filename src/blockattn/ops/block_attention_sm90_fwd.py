@@ -179,8 +179,8 @@ def _q_ready(q_smem, q_ready, qn, Q_SLOTS: gl.constexpr, C: gl.constexpr):
 def _widen_values(values, widened, first_row, length):
     """fp8 value rows (``values``, a ``[rows, D]`` tile of shared memory: the tile's rows ``first_row`` on) widened,
     exactly, into ``widened`` (the same shape in fp16), the rows from the tile's ``length`` on zeroed (the next
-    block's, or TMA's zeros: ``P`` is 0 there, but 0 * NaN is not). Full tiles take no select (up to 8% on the
-    16-bit outputs' kernel: H200, 2026-11-28)."""
+    block's, or TMA's zeros: ``P`` is 0 there, but 0 * NaN is not). Full tiles take no select (a select on them
+    too cost up to 8%: H200, 2026-11-28)."""
     ROWS: gl.constexpr = values.shape[0]
     D: gl.constexpr = values.shape[1]
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // D, D // 16], [4, 1], [1, 0])
