@@ -467,8 +467,8 @@ def test_sm90_backward_accuracy_contract(rotate, dtype, heads, head_dim, poisone
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rotate", [(), ("q", "k"), ("v",), ("q", "k", "v")], ids=lambda r: "".join(r) or "plain")
 def test_sm90_backward_two_warpgroups(rotate, dtype, block_size, head_dim, heads, poisoned_outputs, monkeypatch):
-    """Two warpgroups: 128-token blocks (warpgroups down the rows; under GQA at D = 128 the group's dk and dv in
-    column halves), D = 256 at 64-token blocks (side by side along the columns), without and with GQA (odd and even
+    """Two warpgroups: 128-token blocks (warpgroups down the rows; under GQA at D = 128 side by side on half the
+    block's query rows a step, ``test_sm90_backward_query_halves``), D = 256 at 64-token blocks (side by side along the columns), without and with GQA (odd and even
     groups, MQA), plain and rotary; without GQA at 128-token blocks and D <= 64 one program runs every head of a
     block in turn (3 heads: the first buffer twice, its barrier's phase flipped)."""
     check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
@@ -486,6 +486,26 @@ def test_sm90_backward_blocks_in_tiles(dtype, block_size, head_dim, heads, rotat
     """16- and 32-token blocks, 4 or 2 to a 64-row tile (``tiles.blocks_per_tile``), the forward's Triton tiles
     too: odd lengths, so that tiles hold blocks of several sequences, partial blocks and padding slots."""
     check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("heads", [(2, 1), (6, 2), (8, 1), (3, 3)], ids=lambda h: f"{h[0]}:{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rotate", [(), ("q",), ("k", "v"), ("q", "k", "v")], ids=lambda r: "".join(r) or "plain")
+def test_sm90_backward_query_halves(rotate, dtype, head_dim, heads, poisoned_outputs, monkeypatch):
+    """Under GQA at 128-token blocks and D = 128 the GQA kernel runs each query head in two steps of 64 query rows
+    (``_query_rows``; its q tiles land 64 rows at a time), whose second step lies past the end of blocks of at most
+    64 tokens (odd lengths 1, 127, 129); [128, 128] tiles elsewhere."""
+    sm90 = backends.sm90_ops
+    plans.forget()  # a replayed plan would launch without sm90.launch
+    launched = []
+    monkeypatch.setattr(sm90, "launch", lambda kernel, grid, **kw: launched.append(kw) or launch.launch(kernel, grid,
+                                                                                                         **kw))
+    check_sm90_backward(128, head_dim, heads, dtype, rotate, monkeypatch)
+    halves = heads[0] != heads[1] and head_dim == 128
+    assert [kw["q_desc"].block_shape[0] for kw in launched] == [64 if halves else 128]
+    assert [kw["k_desc"].block_shape[0] for kw in launched] == [128]
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")

@@ -20,11 +20,16 @@ D = 64 the rotary's angles load once a program and stay in registers for every h
 backward over its floor: 1.40-1.42x -> 1.24-1.26x at D = 64, 1.57-1.59x -> 1.42x at D = 32; 2026-11-28).
 
 One warpgroup runs 64-token blocks up to D = 128. Past that one warpgroup's accumulators would spill, so two run
-(:func:`_num_warps`): at 128-token blocks down the rows of [128, 128] score tiles, at D = 256 side by side along
-the columns of [64, 256] gradient tiles. Where the score tiles' registers hold an SM to one program (128-token
-blocks, D <= 64), one program without GQA runs every head of its block in turn, the next head's four tiles landing
-in a second buffer (:func:`_heads_per_program`): otherwise its loads, products and stores take turns. At D = 32 on
-64-row tiles up to 8 heads run in turn likewise: there a program's own fixed costs weigh more than its tiles.
+(:func:`_num_warps`): at 128-token blocks down the rows of [128, 128] score tiles, at D = 256 side by side along the
+columns of [64, 256] gradient tiles. Under GQA at 128-token blocks and D = 128 each query head runs in two steps of
+half the block's query rows against all its keys (:func:`_query_rows`), as FlashAttention-3's backward does: [64,
+128] score tiles, the warpgroups side by side, where [128, 128] ones spilled registers beside the group's dk and dv
+(H200, 8 query heads, 2.63-3.24x -> 2.38-2.99x the floor); at D = 64 on [128, 128] tiles S comes before dP, never
+held with it (:func:`_split_products`; 2.36-2.68x -> 2.30-2.55x). Where the score tiles' registers hold an SM to one
+program (128-token blocks, D <= 64), one program without GQA runs every head of its block in turn, the next head's
+four tiles landing in a second buffer (:func:`_heads_per_program`): otherwise its loads, products and stores take
+turns. At D = 32 on 64-row tiles up to 8 heads run in turn likewise: there a program's own fixed costs weigh more
+than its tiles.
 
 16- and 32-token blocks run four or two to a program in one 64-row tile (``tiles.blocks_per_tile``): consecutive
 grid slots' blocks are consecutive rows, so the tile lands by TMA as a 64-token block would, and each row's keys
@@ -308,8 +313,9 @@ def _probs_and_grads(q, k, v, do, start, length, later, head, slot_head, scale, 
     the later blocks begin, ``tiles.tile_bounds``). With in-block options (``IN_BLOCK``, arguments ``mods``:
     ``in_block.kernel_args``) the Triton kernels' own tile code runs on this kernel's layouts, and the block's share
     of the gradients of the biases in ``SUMMED`` goes to row ``slot_head`` of the partial buffers."""
-    BLOCK: gl.constexpr = q.shape[0]
-    zeros = gl.zeros([BLOCK, BLOCK], gl.float32, scores_layout)
+    BLOCK: gl.constexpr = k.shape[0]  # keys; the query rows are q's (half of them in the GQA kernel's halves)
+    ROWS: gl.constexpr = q.shape[0]
+    zeros = gl.zeros([ROWS, BLOCK], gl.float32, scores_layout)
     scores = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)
     dp = warpgroup_mma(do, v.permute((1, 0)), zeros, use_acc=False, is_async=True)
     if DROPOUT & IN_BLOCK:  # the Philox words while the products run
@@ -497,25 +503,43 @@ def _block_attention_bwd_sm90_gqa_kernel(
     dpos_ptr, dtime_ptr, pos_bias_ptr, stride_pbh, stride_pbw, buckets_ptr, stride_bucket_row, time_bias_ptr,
     stride_tbh, stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, ROTATE: gl.constexpr,
-    PARTS: gl.constexpr, IN_BLOCK: gl.constexpr,
+    PARTS: gl.constexpr, IN_BLOCK: gl.constexpr, SPLIT: gl.constexpr,
 ):
     # One program per (block, kv head), kv heads fastest: k and v land (and turn) once, then the GROUP query heads
     # that share them run in turn, the next head's q and dO landing in a second buffer while this one computes.
     # dk and dv accumulate over the group in the products' registers and are stored once: no atomics, bitwise
-    # reproducible. From D = 128 the two accumulators take 128 registers a thread of one warpgroup, so every
+    # reproducible. From D = 128 on one warpgroup the two accumulators take 128 registers a thread, so every
     # column-wise step (dk, dv and dq products, turning q, storing gradients) runs in PARTS = 2 column halves, and
     # the angles are loaded again where needed (an L1/L2 hit) rather than held across the loop, but for q's second
     # half from one head's dq to the next head's q: otherwise registers spill. Those loads cost (H100, 8:2 at D =
     # 128, fp32 angles, backward over its floor): 1.37-1.38x with four a head, 1.33x with three, 1.20-1.21x with
     # stand-ins computed in registers in their place (2026-11-28). A "block" is a tile of BLOCKS blocks, as in the
     # kernel above.
+    #
+    # Where q's descriptor lands half a block's rows (HALVES == 2: 128-token blocks), each query head runs as two
+    # steps of 64 query rows against the block's 128 keys, as FlashAttention-3's backward does: a step's dq is
+    # whole (every key is in the tile), dk and dv sum both halves. Its [64, 128] score tiles take 32 registers a
+    # thread over two warpgroups (side by side along the keys) where [128, 128] ones took 64, and q's angles load
+    # for each step where they are needed.
+    #
+    # SPLIT (_split_products): a step computes S, then P, whose dV product runs while dP's does, then dS, where S and
+    # dP issued together and held beside the group's dk and dv spilled registers; P and dS then take a tile each.
+    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    HALVES: gl.constexpr = BLOCK // ROWS
+    STEPS: gl.constexpr = GROUP * HALVES
     gl.static_assert(BLOCKS == 1 or IN_BLOCK == 0)
-    BLOCK: gl.constexpr = q_desc.block_type.shape[0]
+    gl.static_assert(HALVES == 1 or SPLIT)
+    gl.static_assert(not SPLIT or (PARTS == 1 and IN_BLOCK == 0 and BLOCKS == 1))
     D: gl.constexpr = q_desc.block_type.shape[1]
     W: gl.constexpr = D // PARTS
     dtype: gl.constexpr = q_desc.dtype
-    scores_layout: gl.constexpr = mma_layout(BLOCK, BLOCK, gl.num_warps(), dtype)
+    scores_layout: gl.constexpr = mma_layout(ROWS, BLOCK, gl.num_warps(), dtype)
     part_layout: gl.constexpr = mma_layout(BLOCK, W, gl.num_warps(), dtype)
+    dq_layout: gl.constexpr = mma_layout(ROWS, W, gl.num_warps(), dtype)
+    # In whole rows of whole blocks the angles load once, for k and v, every head's q and dq, then dk and dv: held
+    # in registers across the group loop. Otherwise they load again where needed (held, they spill).
+    HOLD: gl.constexpr = PARTS == 1 and HALVES == 1
 
     pid = gl.program_id(0)
     kv_head = pid % NUM_KV_HEADS
@@ -525,9 +549,13 @@ def _block_attention_bwd_sm90_gqa_kernel(
             stride_tbb, num_buckets, seed_ptr, keep_threshold, keep_scale)
     if length > 0:
         kv = gl.allocate_shared_memory(dtype, [2, BLOCK, D], k_desc.layout)
-        heads = gl.allocate_shared_memory(dtype, [4, BLOCK, D], q_desc.layout)  # q, dO of buffer 0, then 1
-        probs = gl.allocate_shared_memory(dtype, [BLOCK, BLOCK], gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK],
-                                                                                                       dtype))
+        heads = gl.allocate_shared_memory(dtype, [4, ROWS, D], q_desc.layout)  # q, dO of buffer 0, then 1
+        scores_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK], dtype)
+        probs = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], scores_tile)
+        if SPLIT:  # dS in a tile of its own (dV's product may still read P when dS is written)
+            grads = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], scores_tile)
+        else:
+            grads = probs
         landed = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # each buffer; k and v
         for i in gl.static_range(3):
             mbarrier.init(landed.index(i), count=1)
@@ -539,21 +567,18 @@ def _block_attention_bwd_sm90_gqa_kernel(
         tma_load(v_desc, [row, kv_head * D], landed.index(2), v)
         _load_head(q_desc, do_desc, row, kv_head * GROUP * D, heads, 0, landed)
 
-        partial = length < BLOCK
         kv_rotate: gl.constexpr = ROTATE & (ROTATE_K | ROTATE_V)
-        # In whole rows (PARTS == 1) the angles load once, for k and v, every head's q and dq, then dk and dv: held
-        # in registers across the group loop. In column halves they load again where needed (held, they spill).
         for c in gl.static_range(PARTS):
             sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
-                                       kv_rotate if PARTS == 2 else ROTATE)
+                                       ROTATE if HOLD else kv_rotate)
             if c == 0:  # the first angles load while k and v land
                 mbarrier.wait(landed.index(2), 0)
-            _prepare_tile(k.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_K & ROTATE, partial)
-            _prepare_tile(v.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_V & ROTATE, partial)
+            _prepare_tile(k.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_K & ROTATE, length < BLOCK)
+            _prepare_tile(v.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_V & ROTATE, length < BLOCK)
         # A rotated operand's gradient is staged in fp32 where a buffer's q and dO were (both read by then): part c
         # of buffer b at index b * PARTS + c.
-        stage32 = reinterpret(heads, gl.float32, [2 * PARTS, BLOCK, W],
-                              gl.NVMMASharedLayout.get_default_for([BLOCK, W], gl.float32))
+        stage32 = reinterpret(heads, gl.float32, [2 * PARTS, ROWS, W],
+                              gl.NVMMASharedLayout.get_default_for([ROWS, W], gl.float32))
 
         if PARTS == 2:
             # q's angles of the second half: loaded for a head's dq, then held for the next head's q (three loads a
@@ -564,69 +589,108 @@ def _block_attention_bwd_sm90_gqa_kernel(
         dk1 = gl.zeros([BLOCK, W], gl.float32, part_layout)
         dv0 = gl.zeros([BLOCK, W], gl.float32, part_layout)
         dv1 = gl.zeros([BLOCK, W], gl.float32, part_layout)
-        for g in range(GROUP):
-            buf = g % 2
+        for step in range(STEPS):
+            buf = step % 2
+            g = step // HALVES
+            first = (step % HALVES) * ROWS  # the step's first query row in the block
+            rows = length - first  # of them in the block (<= 0: none, their gradients not stored)
             head_col = (kv_head * GROUP + g) * D
-            if g + 1 < GROUP:
-                # Every thread is done with the other buffer (the previous head's products and staging) before
+            if step + 1 < STEPS:
+                # Every thread is done with the other buffer (the previous step's products and staging) before
                 # TMA overwrites it.
                 fence_async_shared()
                 barrier()
-                _load_head(q_desc, do_desc, row, head_col + D, heads, 1 - buf, landed)
+                _load_head(q_desc, do_desc, row + ((step + 1) % HALVES) * ROWS,
+                           (kv_head * GROUP + (step + 1) // HALVES) * D, heads, 1 - buf, landed)
             q = heads.index(2 * buf)
             do = heads.index(2 * buf + 1)
             for c in gl.static_range(PARTS):
                 if PARTS == 2:
+                    q_ok = row_ok
                     if c == 0:
-                        sin, cos, row_ok = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, 0, D // 2,
-                                                   ROTATE & ROTATE_Q)
+                        q_sin, q_cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, 0, D // 2,
+                                                  ROTATE & ROTATE_Q)
                     else:
-                        sin = held_sin
-                        cos = held_cos
+                        q_sin = held_sin
+                        q_cos = held_cos
+                elif HALVES == 2:
+                    q_sin, q_cos, q_ok = _angles(sinu_ptr, start + first, rows, stride_sn, stride_sd, ROWS, W, 0,
+                                                 D // 2, ROTATE & ROTATE_Q)
+                else:
+                    q_sin, q_cos, q_ok = sin, cos, row_ok
                 if c == 0:  # the first angles load while q and dO land
-                    mbarrier.wait(landed.index(buf), (g // 2) & 1)
-                _prepare_tile(q.slice(c * W, W, dim=1), sin, cos, row_ok, ROTATE_Q & ROTATE, partial)
-                _prepare_tile(do.slice(c * W, W, dim=1), sin, cos, row_ok, 0, partial)
+                    mbarrier.wait(landed.index(buf), (step // 2) & 1)
+                _prepare_tile(q.slice(c * W, W, dim=1), q_sin, q_cos, q_ok, ROTATE_Q & ROTATE, rows < ROWS)
+                _prepare_tile(do.slice(c * W, W, dim=1), q_sin, q_cos, q_ok, 0, rows < ROWS)
             fence_async_shared()
 
             head = kv_head * GROUP + g
             slot_head = (pid // NUM_KV_HEADS) * (NUM_KV_HEADS * GROUP) + head
-            p, ds, _ = _probs_and_grads(q, k, v, do, start, length, (second, third, fourth), head, slot_head, scale,
-                                        qk_scale_log2, mods, dpos_ptr, dtime_ptr, scores_layout, BLOCKS, IN_BLOCK,
-                                        POS_BIAS | TIME_BIAS)
-            probs.store(p)
-            fence_async_shared()
-            dv0, dv1 = _product_parts(probs.permute((1, 0)), do, dv0, dv1, PARTS)
-            probs.store(ds)
-            fence_async_shared()
-            dk0, dk1 = _product_parts(probs.permute((1, 0)), q, dk0, dk1, PARTS)
+            if SPLIT:
+                scores = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, scores_layout),
+                                       use_acc=False, is_async=True)
+                scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+                p = softmax_probs(scores, gl.arange(0, BLOCK, layout=gl.SliceLayout(0, scores_layout)) < length,
+                                  qk_scale_log2)
+                probs.store(p.to(dtype))
+                fence_async_shared()
+                dv0 = warpgroup_mma(probs.permute((1, 0)), do, dv0, is_async=True)
+                dp = warpgroup_mma(do, v.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, scores_layout),
+                                   use_acc=False, is_async=True)
+                dv0, dp = warpgroup_mma_wait(num_outstanding=0, deps=(dv0, dp))
+                grads.store(grad_scores(p, dp, dtype, scale))
+                fence_async_shared()
+                dk0 = warpgroup_mma(grads.permute((1, 0)), q, dk0, is_async=True)
+            else:
+                p, ds, _ = _probs_and_grads(q, k, v, do, start, length, (second, third, fourth), head, slot_head,
+                                            scale, qk_scale_log2, mods, dpos_ptr, dtime_ptr, scores_layout, BLOCKS,
+                                            IN_BLOCK, POS_BIAS | TIME_BIAS)
+                probs.store(p)
+                fence_async_shared()
+                dv0, dv1 = _product_parts(probs.permute((1, 0)), do, dv0, dv1, PARTS)
+                grads.store(ds)
+                fence_async_shared()
+                dk0, dk1 = _product_parts(grads.permute((1, 0)), q, dk0, dk1, PARTS)
             for c in gl.static_range(PARTS):
-                dq = warpgroup_mma(probs, k.slice(c * W, W, dim=1), gl.zeros([BLOCK, W], gl.float32, part_layout),
+                dq = warpgroup_mma(grads, k.slice(c * W, W, dim=1), gl.zeros([ROWS, W], gl.float32, dq_layout),
                                    use_acc=False, is_async=True)
                 if PARTS == 2:  # while the product runs
-                    sin, cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
-                                          ROTATE & ROTATE_Q)
+                    q_sin, q_cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
+                                              ROTATE & ROTATE_Q)
                     if c == 1:
-                        held_sin = sin
-                        held_cos = cos
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                        held_sin = q_sin
+                        held_cos = q_cos
+                elif HALVES == 2:
+                    q_sin, q_cos, _ = _angles(sinu_ptr, start + first, rows, stride_sn, stride_sd, ROWS, W, 0, D // 2,
+                                              ROTATE & ROTATE_Q)
+                else:
+                    q_sin, q_cos = sin, cos
+                if SPLIT:
+                    dq, dk0 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk0))
+                else:
+                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
                 _store_gradient(dq, q.slice(c * W, W, dim=1), stage32.index(buf * PARTS + c),
-                                dq_ptr + start * stride_dqn + head_col + c * W, stride_dqn, length, sin, cos,
-                                ROTATE_Q & ROTATE)
+                                dq_ptr + (start + first) * stride_dqn + head_col + c * W, stride_dqn, rows, q_sin,
+                                q_cos, ROTATE_Q & ROTATE)
         for i in gl.static_range(3):
             mbarrier.invalidate(landed.index(i))
+        # dk and dv staged in fp32 where both buffers' q and dO were: one stage for each, or one for both in turn
+        # where half a block's query rows make the buffers half as long.
+        STAGES: gl.constexpr = 2 * PARTS // HALVES
+        kv_stage32 = reinterpret(heads, gl.float32, [STAGES, BLOCK, W],
+                                 gl.NVMMASharedLayout.get_default_for([BLOCK, W], gl.float32))
         for c in gl.static_range(PARTS):
             if c == 0:
                 dv_part, dk_part = dv0, dk0
             else:
                 dv_part, dk_part = dv1, dk1
-            if PARTS == 2:
+            if not HOLD:
                 sin, cos, _ = _angles(sinu_ptr, start, length, stride_sn, stride_sd, BLOCK, W, c * W, D // 2,
                                       kv_rotate)
-            _store_gradient(dv_part, v.slice(c * W, W, dim=1), stage32.index(c),
+            _store_gradient(dv_part, v.slice(c * W, W, dim=1), kv_stage32.index(c),
                             dv_ptr + start * stride_dvn + kv_head * D + c * W, stride_dvn, length, sin, cos,
                             ROTATE_V & ROTATE)
-            _store_gradient(dk_part, k.slice(c * W, W, dim=1), stage32.index(PARTS + c),
+            _store_gradient(dk_part, k.slice(c * W, W, dim=1), kv_stage32.index((PARTS + c) % STAGES),
                             dk_ptr + start * stride_dkn + kv_head * D + c * W, stride_dkn, length, sin, cos,
                             ROTATE_K & ROTATE)
 
@@ -636,8 +700,9 @@ def _num_warps(block_size: int, head_dim: int) -> int:
     spill: at 128-token blocks the score tiles are [128, 128] (64 registers a thread each for S and dP over two
     warpgroups), at D = 256 the gradient tiles [64, 256] (64 registers a thread over two warpgroups side by side,
     where one would need 128 for each). Under GQA at 128-token blocks and D = 128 the group's [128, 128] dk and dv
-    join the score tiles, in column halves (``PARTS``): two warpgroups there measured 2.14-2.46x the floor at 8:4
-    to 8:1 against 3.43-3.91x for four (H100, 8 query heads; H200 2.62-3.26x; docs/benchmarks.md, 2026-11-28).
+    join the score tiles: two warpgroups there measured 2.14-2.46x the floor at 8:4 to 8:1 against 3.43-3.91x for
+    four (H100, 8 query heads; H200 2.62-3.26x; docs/benchmarks.md, 2026-11-28), on [128, 128] score tiles and dk
+    and dv in column halves, since 2026-11-29 on half the block's query rows a step (:func:`_query_rows`).
     At 64-token blocks up to D = 128 two warpgroups (without a register cap) tied or lost, though ptxas gives them
     no spills where one spills: H200, the sweep's lengths, bf16, one against two, 8:8 plain 1.02x the floor both,
     with fp32 angles 1.29x against 1.47x (D = 64: 1.29x against 1.79x), 8:2 plain 1.10x against 1.74x (1.66x with
@@ -668,6 +733,30 @@ def _heads_per_program(block_size: int, head_dim: int, num_heads: int, options: 
     if block_size == 64 and head_dim == 32 and num_heads >= 4:
         return min(num_heads, 8)
     return 1
+
+
+def _query_rows(tile: int, head_dim: int, gqa: bool) -> int:
+    """Query rows a step of the GQA kernel takes: half of a 128-token block (two steps a query head) under GQA at
+    D = 128, else the tile's. H200, 2026-11-29, the sweep's lengths, bf16, backward over its floor, [128, 128] tiles
+    against halves: D = 128 8:4 / 8:2 / 8:1 2.63 / 3.01 / 3.24x -> 2.29 / 2.64 / 3.00x, with fp32 angles 3.54 /
+    3.84 / 4.13x -> 3.25 / 3.54 / 3.64x. Where halves lost: D = 64 under GQA (2.35-2.70x -> 2.79-3.35x), D = 32
+    under GQA (3.58-4.11x -> 4.81-5.87x; with a register cap of 128, two programs an SM, 3.34-4.15x: a gain at 8:4
+    only, a loss with fp32 angles) and without GQA, against the non-GQA kernel (D = 128 1.47x -> 2.01x, D = 64 1.50x
+    -> 2.39x, D = 32 2.26x -> 2.62x capped). There one program holds an SM, and a block's chain of products and
+    softmax is longer in halves than on [128, 128] tiles: twice the steps, on [64, 64] pieces of the score tiles a
+    warpgroup, whose row sums cross between the two warpgroups."""
+    return tile // 2 if tile == 128 and gqa and head_dim == 128 else tile
+
+
+def _split_products(tile: int, head_dim: int, parts: int) -> bool:
+    """Whether the GQA kernel computes S, then P on to dV's product, which runs while dP's does, then dS (``SPLIT``),
+    rather than S and dP together: at 128-token blocks in whole rows from D = 64, where S and dP held together beside
+    the group's dk and dv spilled registers. H200, 2026-11-29, the sweep's lengths, bf16, backward over its floor, 8:4
+    / 8:2 / 8:1 on [128, 128] tiles at D = 64: 2.36 / 2.58 / 2.68x -> 2.30 / 2.42 / 2.55x, with fp32 angles 2.99 /
+    3.18 / 3.25x -> 2.84 / 2.97 / 3.04x (ptxas: 12 -> 0 bytes of spills a thread, 72 -> 12 with a rotary); at D = 32
+    (no spills either way) 3.58-4.33x -> 3.61-4.40x, a loss. Half a block's query rows a step (D = 128) were measured
+    split only."""
+    return tile == 128 and head_dim >= 64 and parts == 1
 
 
 def why_not(call) -> str | None:
@@ -771,22 +860,27 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     blocks = tiles.blocks_per_tile(block_size, d, h // kv_heads, rotate != 0, options.bits, backward=True)
     tile = block_size * blocks
     num_tiles = triton.cdiv(table.num_slots, blocks)
-    if h == kv_heads:
+    rows = _query_rows(tile, d, h != kv_heads)
+    if h == kv_heads and rows == tile:
         per_program = _heads_per_program(tile, d, h, options)
         programs = num_tiles * triton.cdiv(h, per_program)
         kernel = _block_attention_bwd_sm90_kernel
         heads = {"NUM_HEADS": h, "HEADS": per_program, "TIME_BINS": _time_bins(options, d)}
     else:
-        # Column halves from D = 128, whole rows below (H100, `ads` lengths, times over the floor: at D = 128 plain
-        # 1.02x either way, with a rotary and fp32 angles 1.80-1.92x against 1.86-2.47x for whole rows; at D = 64
-        # plain 1.06-1.10x against 1.13-1.15x in halves, with a rotary 1.75-1.92x against 2.02-2.14x).
+        # On one warpgroup, column halves from D = 128, whole rows below (H100, `ads` lengths, times over the floor:
+        # at D = 128 plain 1.02x either way, with a rotary and fp32 angles 1.80-1.92x against 1.86-2.47x for whole
+        # rows; at D = 64 plain 1.06-1.10x against 1.13-1.15x in halves, with a rotary 1.75-1.92x against
+        # 2.02-2.14x). Half a block's query rows a step take whole rows: the group's dk and dv are spread over two
+        # warpgroups.
         kernel = _block_attention_bwd_sm90_gqa_kernel
-        heads = {"NUM_KV_HEADS": kv_heads, "GROUP": h // kv_heads, "PARTS": 2 if d >= 128 else 1}
+        parts = 2 if d >= 128 and rows == tile else 1
+        heads = {"NUM_KV_HEADS": kv_heads, "GROUP": h // kv_heads, "PARTS": parts,
+                 "SPLIT": _split_products(tile, d, parts)}
         programs = num_tiles * kv_heads
     launch(
         kernel, (programs,),
-        q_desc=_descriptor(q, tile), k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile),
-        do_desc=_descriptor(grad_out, tile),
+        q_desc=_descriptor(q, rows), k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile),
+        do_desc=_descriptor(grad_out, rows),
         dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, sinu_ptr=sinu_ptr,
         **table.kernel_args(offsets), num_tokens=n, scale=scale, qk_scale_log2=scale * LOG2E,
         stride_dqn=dq.stride(0), stride_dkn=dk.stride(0), stride_dvn=dv.stride(0),
