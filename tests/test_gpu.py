@@ -446,6 +446,15 @@ def check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
         assert snr_db(got, ref) > 45, f"{name}: SNR {snr_db(got, ref):.1f} dB"
 
 
+def sm90_launches(monkeypatch) -> list[dict]:
+    """The keyword arguments of every launch of the Hopper backward's kernels from here on, recorded."""
+    plans.forget()  # a replayed plan would launch without sm90.launch
+    launched = []
+    monkeypatch.setattr(backends.sm90_ops, "launch",
+                        lambda kernel, grid, **kw: launched.append(kw) or launch.launch(kernel, grid, **kw))
+    return launched
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("heads", [(3, 3), (4, 2), (6, 2), (8, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
@@ -468,9 +477,10 @@ def test_sm90_backward_accuracy_contract(rotate, dtype, heads, head_dim, poisone
 @pytest.mark.parametrize("rotate", [(), ("q", "k"), ("v",), ("q", "k", "v")], ids=lambda r: "".join(r) or "plain")
 def test_sm90_backward_two_warpgroups(rotate, dtype, block_size, head_dim, heads, poisoned_outputs, monkeypatch):
     """Two warpgroups: 128-token blocks (warpgroups down the rows; under GQA at D = 128 side by side on half the
-    block's query rows a step, ``test_sm90_backward_query_halves``), D = 256 at 64-token blocks (side by side along the columns), without and with GQA (odd and even
-    groups, MQA), plain and rotary; without GQA at 128-token blocks and D <= 64 one program runs every head of a
-    block in turn (3 heads: the first buffer twice, its barrier's phase flipped)."""
+    block's query rows a step, ``test_sm90_backward_query_halves``), D = 256 at 64-token blocks (side by side along
+    the columns), without and with GQA (odd and even groups, MQA), plain and rotary; without GQA at 128-token blocks
+    and D <= 64 one program runs every head of a block in turn (3 heads: the first buffer twice, its barrier's phase
+    flipped)."""
     check_sm90_backward(block_size, head_dim, heads, dtype, rotate, monkeypatch)
 
 
@@ -495,17 +505,15 @@ def test_sm90_backward_blocks_in_tiles(dtype, block_size, head_dim, heads, rotat
 @pytest.mark.parametrize("rotate", [(), ("q",), ("k", "v"), ("q", "k", "v")], ids=lambda r: "".join(r) or "plain")
 def test_sm90_backward_query_halves(rotate, dtype, head_dim, heads, poisoned_outputs, monkeypatch):
     """Under GQA at 128-token blocks and D = 128 the GQA kernel runs each query head in two steps of 64 query rows
-    (``_query_rows``; its q tiles land 64 rows at a time), whose second step lies past the end of blocks of at most
-    64 tokens (odd lengths 1, 127, 129); [128, 128] tiles elsewhere."""
-    sm90 = backends.sm90_ops
-    plans.forget()  # a replayed plan would launch without sm90.launch
-    launched = []
-    monkeypatch.setattr(sm90, "launch", lambda kernel, grid, **kw: launched.append(kw) or launch.launch(kernel, grid,
-                                                                                                         **kw))
+    (``_query_rows``; its q tiles land 64 rows at a time), on odd lengths: a second step partly in the block (127
+    tokens) or wholly past its end (1 token, and the tails of 129); [128, 128] tiles elsewhere, S before dP under
+    GQA (``_split_products``)."""
+    launched = sm90_launches(monkeypatch)
     check_sm90_backward(128, head_dim, heads, dtype, rotate, monkeypatch)
-    halves = heads[0] != heads[1] and head_dim == 128
-    assert [kw["q_desc"].block_shape[0] for kw in launched] == [64 if halves else 128]
+    gqa = heads[0] != heads[1]
+    assert [kw["q_desc"].block_shape[0] for kw in launched] == [64 if gqa and head_dim == 128 else 128]
     assert [kw["k_desc"].block_shape[0] for kw in launched] == [128]
+    assert [kw.get("SPLIT", False) for kw in launched] == [gqa]
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
@@ -517,11 +525,7 @@ def test_sm90_backward_heads_a_program_at_d32(rotate, dtype, num_heads, per_prog
                                               monkeypatch):
     """At D = 32 on 64-row tiles one program runs up to 8 heads of a block in turn (``_heads_per_program``): an
     odd count reuses the first buffer (its barrier's phase flipped), 9 heads leave the second program one."""
-    sm90 = backends.sm90_ops
-    plans.forget()  # a replayed plan would launch without sm90.launch
-    launched = []
-    monkeypatch.setattr(sm90, "launch", lambda kernel, grid, **kw: launched.append(kw) or launch.launch(kernel, grid,
-                                                                                                         **kw))
+    launched = sm90_launches(monkeypatch)
     check_sm90_backward(block_size, 32, (num_heads, num_heads), dtype, rotate, monkeypatch)
     assert [kw["HEADS"] for kw in launched] == [per_program]
 

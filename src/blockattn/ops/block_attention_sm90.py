@@ -25,7 +25,7 @@ columns of [64, 256] gradient tiles. Under GQA at 128-token blocks and D = 128 e
 half the block's query rows against all its keys (:func:`_query_rows`), as FlashAttention-3's backward does: [64,
 128] score tiles, the warpgroups side by side, where [128, 128] ones spilled registers beside the group's dk and dv
 (H200, 8 query heads, 2.63-3.24x -> 2.38-2.99x the floor); at D = 64 on [128, 128] tiles S comes before dP, never
-held with it (:func:`_split_products`; 2.36-2.68x -> 2.30-2.55x). Where the score tiles' registers hold an SM to one
+held with it (:func:`_split_products`; 2.35-2.67x -> 2.29-2.56x). Where the score tiles' registers hold an SM to one
 program (128-token blocks, D <= 64), one program without GQA runs every head of its block in turn, the next head's
 four tiles landing in a second buffer (:func:`_heads_per_program`): otherwise its loads, products and stores take
 turns. At D = 32 on 64-row tiles up to 8 heads run in turn likewise: there a program's own fixed costs weigh more
@@ -313,7 +313,7 @@ def _probs_and_grads(q, k, v, do, start, length, later, head, slot_head, scale, 
     the later blocks begin, ``tiles.tile_bounds``). With in-block options (``IN_BLOCK``, arguments ``mods``:
     ``in_block.kernel_args``) the Triton kernels' own tile code runs on this kernel's layouts, and the block's share
     of the gradients of the biases in ``SUMMED`` goes to row ``slot_head`` of the partial buffers."""
-    BLOCK: gl.constexpr = k.shape[0]  # keys; the query rows are q's (half of them in the GQA kernel's halves)
+    BLOCK: gl.constexpr = k.shape[0]  # keys, as many as q's rows: the GQA kernel's halves (SPLIT) never come here
     ROWS: gl.constexpr = q.shape[0]
     zeros = gl.zeros([ROWS, BLOCK], gl.float32, scores_layout)
     scores = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)
@@ -508,7 +508,7 @@ def _block_attention_bwd_sm90_gqa_kernel(
     # One program per (block, kv head), kv heads fastest: k and v land (and turn) once, then the GROUP query heads
     # that share them run in turn, the next head's q and dO landing in a second buffer while this one computes.
     # dk and dv accumulate over the group in the products' registers and are stored once: no atomics, bitwise
-    # reproducible. From D = 128 on one warpgroup the two accumulators take 128 registers a thread, so every
+    # reproducible. From D = 128 the two accumulators take 128 registers a thread of one warpgroup, so every
     # column-wise step (dk, dv and dq products, turning q, storing gradients) runs in PARTS = 2 column halves, and
     # the angles are loaded again where needed (an L1/L2 hit) rather than held across the loop, but for q's second
     # half from one head's dq to the next head's q: otherwise registers spill. Those loads cost (H100, 8:2 at D =
@@ -552,7 +552,7 @@ def _block_attention_bwd_sm90_gqa_kernel(
         heads = gl.allocate_shared_memory(dtype, [4, ROWS, D], q_desc.layout)  # q, dO of buffer 0, then 1
         scores_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK], dtype)
         probs = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], scores_tile)
-        if SPLIT:  # dS in a tile of its own (dV's product may still read P when dS is written)
+        if SPLIT:  # dS in a tile of its own: its store need not wait for both warpgroups' dV products to read P
             grads = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], scores_tile)
         else:
             grads = probs
@@ -861,17 +861,16 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     tile = block_size * blocks
     num_tiles = triton.cdiv(table.num_slots, blocks)
     rows = _query_rows(tile, d, h != kv_heads)
-    if h == kv_heads and rows == tile:
+    if h == kv_heads and rows == tile:  # (rows == tile without GQA: _query_rows halves GQA only)
         per_program = _heads_per_program(tile, d, h, options)
         programs = num_tiles * triton.cdiv(h, per_program)
         kernel = _block_attention_bwd_sm90_kernel
         heads = {"NUM_HEADS": h, "HEADS": per_program, "TIME_BINS": _time_bins(options, d)}
     else:
-        # On one warpgroup, column halves from D = 128, whole rows below (H100, `ads` lengths, times over the floor:
-        # at D = 128 plain 1.02x either way, with a rotary and fp32 angles 1.80-1.92x against 1.86-2.47x for whole
-        # rows; at D = 64 plain 1.06-1.10x against 1.13-1.15x in halves, with a rotary 1.75-1.92x against
-        # 2.02-2.14x). Half a block's query rows a step take whole rows: the group's dk and dv are spread over two
-        # warpgroups.
+        # Column halves from D = 128, whole rows below (H100, `ads` lengths, times over the floor: at D = 128 plain
+        # 1.02x either way, with a rotary and fp32 angles 1.80-1.92x against 1.86-2.47x for whole rows; at D = 64
+        # plain 1.06-1.10x against 1.13-1.15x in halves, with a rotary 1.75-1.92x against 2.02-2.14x). Half a
+        # block's query rows a step take whole rows: there the group's dk and dv lie over two warpgroups.
         kernel = _block_attention_bwd_sm90_gqa_kernel
         parts = 2 if d >= 128 and rows == tile else 1
         heads = {"NUM_KV_HEADS": kv_heads, "GROUP": h // kv_heads, "PARTS": parts,
