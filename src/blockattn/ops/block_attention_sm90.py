@@ -861,7 +861,7 @@ def block_attention_bwd_sm90(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     tile = block_size * blocks
     num_tiles = triton.cdiv(table.num_slots, blocks)
     rows = _query_rows(tile, d, h != kv_heads)
-    if h == kv_heads and rows == tile:  # (rows == tile without GQA: _query_rows halves GQA only)
+    if h == kv_heads and rows == tile:  # the non-GQA kernel lands whole blocks of q; halves go to the GQA one
         per_program = _heads_per_program(tile, d, h, options)
         programs = num_tiles * triton.cdiv(h, per_program)
         kernel = _block_attention_bwd_sm90_kernel
