@@ -313,9 +313,8 @@ def _probs_and_grads(q, k, v, do, start, length, later, head, slot_head, scale, 
     the later blocks begin, ``tiles.tile_bounds``). With in-block options (``IN_BLOCK``, arguments ``mods``:
     ``in_block.kernel_args``) the Triton kernels' own tile code runs on this kernel's layouts, and the block's share
     of the gradients of the biases in ``SUMMED`` goes to row ``slot_head`` of the partial buffers."""
-    BLOCK: gl.constexpr = k.shape[0]  # keys, as many as q's rows: the GQA kernel's halves (SPLIT) never come here
-    ROWS: gl.constexpr = q.shape[0]
-    zeros = gl.zeros([ROWS, BLOCK], gl.float32, scores_layout)
+    BLOCK: gl.constexpr = q.shape[0]
+    zeros = gl.zeros([BLOCK, BLOCK], gl.float32, scores_layout)
     scores = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)
     dp = warpgroup_mma(do, v.permute((1, 0)), zeros, use_acc=False, is_async=True)
     if DROPOUT & IN_BLOCK:  # the Philox words while the products run

@@ -35,21 +35,23 @@ its own, with no barrier, lost at D = 128: H200, 2026-11-29, 1.57-2.14x -> 1.68-
 read on the device; an fp8 output is saturated to e4m3's range.
 
 What did not pay (H200, the sweep's lengths, bf16, time over the floor; docs/benchmarks.md, 2026-11-28): three
-consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.60x against 1.11x with two; for fp8,
-faster only without GQA at D = 64, 1.44 -> 1.30x, and at 32-token blocks, where the tiles' NaN rule keeps the Triton
-forward; 2026-11-28 21:54 UTC); the rotary turned in shared memory by the consumers (1.43-4.42x over two versions,
-against the Triton forward's 1.19-1.46x: the angles' registers spill); fewer q slots than the group at D = 64 (8:2
-1.41x against 1.16x with four); checking the values of tiles of several blocks for NaN or inf, to take the blocks
-apart where one is found (D = 128 8:4: 1.10 -> 1.55x at 32-token blocks, 1.12 -> 1.82x at 16). For fp8, whose
-consumers bound it (Nsight Compute: 57% of the DRAM throughput at 8:8, where bf16 reaches 86%): more k/v slots a
-consumer (3 or 4: no gain, up to 1.28 -> 1.49x at 8:2), the score scale inside the exponent (8:2 1.28 -> 1.43x), and
-a fourth partition of two warps (40 registers a thread) widening the values for the consumers (D = 128 at 64-token
-blocks: 1.20-1.31x -> 1.42-1.58x). Both kernels (2026-11-29): the output staged in shared memory and stored by TMA
-where a consumer's rows are whole (the consumer moves on while it drains), which lost under GQA (128-token blocks
-at D = 128 8:2 1.46 -> 1.95x, 64-token blocks at D = 64 8:2 1.21 -> 1.31x, fp8 8:2 1.29 -> 1.48x); and in the
-halves kernel the two consumers' products issued in turns (ping-pong, one's softmax while the other's products
-run): with the next head's ``Q K^T`` after the softmax, 8:1 1.64 -> 1.85x; with only ``P V`` in turns, 8:1 1.64
--> 1.61x but 8:2 1.40 -> 1.43x and 8:4 1.15 -> 1.17x.
+consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.60x against 1.11x with two; for
+fp8, faster only without GQA at D = 64, 1.44 -> 1.30x, and at 32-token blocks, where the tiles' NaN rule keeps the
+Triton forward; 2026-11-28 21:54 UTC); the rotary turned in shared memory by the consumers (1.43-4.42x over two
+versions, against the Triton forward's 1.19-1.46x: the angles' registers spill), and by a warpgroup of its own
+beside a producer warp (2026-11-29: 1.43-2.33x against 1.10-1.83x; a win at 16- and 32-token blocks, D = 128, 8:4
+with fp32 angles only, 1.65-1.70 -> 1.49-1.57x: one warpgroup turning every tile through shared memory is slower
+than the consumers need); fewer q slots than the group at D = 64 (8:2 1.41x against 1.16x with four); checking the
+values of tiles of several blocks for NaN or inf, to take the blocks apart where one is found (D = 128 8:4: 1.10 ->
+1.55x at 32-token blocks, 1.12 -> 1.82x at 16). For fp8, whose consumers bound it (Nsight Compute: 57% of the DRAM
+throughput at 8:8, where bf16 reaches 86%): more k/v slots a consumer (3 or 4: no gain, up to 1.28 -> 1.49x at
+8:2), the score scale inside the exponent (8:2 1.28 -> 1.43x), and a fourth partition of two warps (40 registers a
+thread) widening the values for the consumers (D = 128 at 64-token blocks: 1.20-1.31x -> 1.42-1.58x). Both kernels
+(2026-11-29): the output staged in shared memory and stored by TMA where a consumer's rows are whole (the consumer
+moves on while it drains), which lost under GQA (128-token blocks at D = 128 8:2 1.46 -> 1.95x, 64-token blocks at
+D = 64 8:2 1.21 -> 1.31x, fp8 8:2 1.29 -> 1.48x); and in the halves kernel the two consumers' products issued in
+turns (ping-pong, one's softmax while the other's products run): with the next head's ``Q K^T`` after the softmax,
+8:1 1.64 -> 1.85x; with only ``P V`` in turns, 8:1 1.64 -> 1.61x but 8:2 1.40 -> 1.43x and 8:4 1.15 -> 1.17x.
 """
 
 from __future__ import annotations
