@@ -9,9 +9,9 @@ from blockattn.ops.in_block import InBlock
 
 
 def call(pass_name="bwd", device="cuda", dtype=torch.bfloat16, heads=(4, 4), head_dim=128, block_size=64, rotate=0,
-         in_block=0, tma_rows=True):
+         in_block=0, tma_rows=True, angles_dtype=None):
     return AttentionCall(pass_name, torch.device(device), dtype, *heads, head_dim, block_size, rotate=rotate,
-                         in_block=in_block, tma_rows=tma_rows)
+                         in_block=in_block, tma_rows=tma_rows, angles_dtype=angles_dtype)
 
 
 @pytest.fixture
@@ -156,6 +156,13 @@ def test_call_reads_the_layout_of_its_tensors():
     for tensors, grads in (((padded_heads, q, q, q), (q, q, q)), ((odd_rows, q, q, q), (q, q, q)),
                            ((q, q, q, q), (padded_heads, q, q))):
         assert not AttentionCall.of("bwd", q, q, 64, 0, tensors=tensors, grads=grads).tma_rows
+    # The rotary's angles: their dtype where TMA reads them as 16-byte aligned [N, D] rows, else None.
+    angles = torch.randn(10, 128)
+    assert AttentionCall.of("fwd", q, q, 64, 7, angles=angles).angles_dtype == torch.float32
+    assert AttentionCall.of("fwd", q, q, 64, 7, angles=angles.bfloat16()).angles_dtype == torch.bfloat16
+    for unreadable in (torch.randn(10, 256)[:, ::2], torch.randn(10, 130)[:, 2:], torch.randn(1282)[2:].view(10, 128)):
+        assert AttentionCall.of("fwd", q, q, 64, 7, angles=unreadable).angles_dtype is None
+    assert AttentionCall.of("fwd", q, q, 64, 0).angles_dtype is None
 
 
 def flash_call(variant="auto", dtype=torch.bfloat16, head_dim=128, tma_ready=True, rows_follow=True):
@@ -222,8 +229,9 @@ def test_hopper_forward_rule(heads, head_dim, block_size, gpu_capability):
     """The warp-specialised Hopper forward takes plain 16-bit and fp8 calls where it measured faster than the Triton
     forward: in 64-row tiles D = 128 under GQA of 2 to 4 query heads a kv head and D = 64 with 2 (fp8 at D = 64
     only at 64-token blocks), and fp8 at D = 128 without GQA at 64-token blocks; at 128-token blocks every head dim
-    it takes but fp8 at D = 32 without GQA; never D = 256, a rotary, an in-block option, fp32 or rows TMA cannot
-    read."""
+    it takes but fp8 at D = 32 without GQA; a rotary at D = 128 with 2 query heads a kv head up to 64-token blocks,
+    its angles in fp32 or the inputs' dtype (never angles TMA cannot read: the call's ``angles_dtype`` is then
+    None); never D = 256, an in-block option, fp32 or rows TMA cannot read."""
     gpu_capability((9, 0))
     group = heads[0] // heads[1]
     supported = head_dim in (32, 64, 128)
@@ -238,6 +246,11 @@ def test_hopper_forward_rule(heads, head_dim, block_size, gpu_capability):
     assert select(plain).name == ("sm90-gluon" if faster else "triton")
     fp8_call = call("fwd", heads=heads, head_dim=head_dim, block_size=block_size, dtype=torch.float8_e4m3fn)
     assert select(fp8_call).name == ("sm90-gluon" if faster_fp8 else "triton")
-    for other in ({"rotate": 7}, {"in_block": 1}, {"dtype": torch.float32}, {"tma_rows": False}):
+    for angles in (torch.float32, torch.bfloat16):
+        rotary = call("fwd", heads=heads, head_dim=head_dim, block_size=block_size, rotate=7, angles_dtype=angles)
+        turns = head_dim == 128 and group == 2 and block_size <= 64
+        assert select(rotary).name == ("sm90-gluon" if turns else "triton")
+    for other in ({"rotate": 7}, {"rotate": 7, "angles_dtype": torch.float16}, {"in_block": 1},
+                  {"dtype": torch.float32}, {"tma_rows": False}):
         changed = call("fwd", heads=heads, head_dim=head_dim, block_size=block_size, **other)
         assert select(changed).name == "triton"

@@ -560,6 +560,59 @@ def test_sm90_forward_several_items_a_program(heads, block_size, monkeypatch, po
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("heads", [(3, 3), (6, 2), (8, 4), (8, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
+def test_sm90_forward_rotary(heads, head_dim, block_size, poisoned_outputs):
+    """The warp-specialised forward with a rotary (k and v turned by the turner warpgroup, q by the consumers): every
+    shape it takes on odd lengths (partial tiles, whose k and v rows past the end the turner zeroes; tiles of
+    several blocks), fp32 angles, all three operands turned (at D = 128 one angle tile and one k/v slot a consumer,
+    two of each below), whether or not the dispatcher's rule gives it the shape."""
+    q, k, v, do, offsets = random_inputs(random_lengths(6, 400, block_size), *heads, head_dim, torch.bfloat16, "cuda")
+    sinu_pos = random_angles(q.shape[0], head_dim, torch.float32, "cuda")
+    call = AttentionCall.of("fwd", q, k, block_size, ROTATE_ALL, tensors=(q, k, v), angles=sinu_pos)
+    assert backends.sm90_fwd_ops.kernel_reason(call) is None
+    out = forward_of("sm90-gluon", q, k, v, offsets, block_size, sinu_pos=sinu_pos, rotate=ROTATE_ALL)
+    assert_within_2x_pytorch([out], q, k, v, do, offsets, block_size, names=("out",), sinu_pos=sinu_pos,
+                             rotate=ROTATE_ALL)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("rotate", [("q", "k", "v"), ("q", "k"), ("v",), ("q",)], ids=["qkv", "qk", "v", "q"])
+@pytest.mark.parametrize("dtype,angles_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float16, torch.float16)], ids=["bf16-fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_forward_rotary_operands_and_angles(head_dim, dtype, angles_dtype, rotate, poisoned_outputs):
+    """Any subset of q, k, v turned, angles in fp32 or the inputs' dtype, fp16 and bf16; the dispatcher declines
+    angles TMA cannot read (every other column of a wider tensor), which the Triton forward then takes."""
+    q, k, v, do, offsets = random_inputs(random_lengths(6, 300, 64), 8, 2, head_dim, dtype, "cuda")
+    sinu_pos = random_angles(q.shape[0], head_dim, angles_dtype, "cuda")
+    mask = rotate_mask(rotate)
+    out = forward_of("sm90-gluon", q, k, v, offsets, 64, sinu_pos=sinu_pos, rotate=mask)
+    assert_within_2x_pytorch([out], q, k, v, do, offsets, 64, names=("out",), sinu_pos=sinu_pos, rotate=mask)
+    strided = torch.stack([sinu_pos, sinu_pos], dim=-1).flatten(1)[:, ::2]
+    call = AttentionCall.of("fwd", q, k, 64, mask, tensors=(q, k, v), angles=strided)
+    assert "angles" in backends.sm90_fwd_ops.kernel_reason(call)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(3, 3), (8, 2), (5, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
+def test_sm90_forward_rotary_several_items_a_program(heads, head_dim, block_size, monkeypatch, poisoned_outputs):
+    """Two programs, so that each turns dozens of items in turn: the angle tiles and their barriers carried from item
+    to item and past a batch of bounds (one tile a consumer at D = 128, reused item after item; two at D = 64), a
+    group of 5 query heads through 2 or 3 q slots a consumer."""
+    monkeypatch.setattr(devices, "multiprocessors", lambda device: 2)
+    q, k, v, do, offsets = random_inputs(random_lengths(24, 700, block_size), *heads, head_dim, torch.bfloat16,
+                                         "cuda")
+    sinu_pos = random_angles(q.shape[0], head_dim, torch.float32, "cuda")
+    out = forward_of("sm90-gluon", q, k, v, offsets, block_size, sinu_pos=sinu_pos, rotate=ROTATE_ALL)
+    assert_within_2x_pytorch([out], q, k, v, do, offsets, block_size, names=("out",), sinu_pos=sinu_pos,
+                             rotate=ROTATE_ALL)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("ends_early", [True, False], ids=["short-first", "long-first"])
 @pytest.mark.parametrize("backend", ["sm90-gluon", "triton"])
 @pytest.mark.parametrize("block_size", [64, 128])

@@ -356,7 +356,7 @@ def bench(args: argparse.Namespace, workloads: list[Workload]) -> int:
 
 def preset_calls(device: torch.device) -> dict:
     """The attention calls the bench makes for each preset, ``{label: {pass: AttentionCall}}``: the plain call, and
-    for rotary presets the fused rotary one."""
+    for rotary presets the fused rotary one (angles in the inputs' dtype, as the bench passes them)."""
     from .backends import AttentionCall
     from .ops.tiles import ROTATE_ALL, ROTATE_NONE
 
@@ -365,7 +365,7 @@ def preset_calls(device: torch.device) -> dict:
         for label, rotate in [(w.name, ROTATE_NONE)] + ([(f"{w.name} rotary", ROTATE_ALL)] if w.rotary else []):
             calls[label] = {p: AttentionCall(pass_name=p, device=device, dtype=w.torch_dtype, num_heads=w.heads,
                                              num_kv_heads=w.kv_heads, head_dim=w.head_dim, block_size=w.block_size,
-                                             rotate=rotate)
+                                             rotate=rotate, angles_dtype=w.torch_dtype if rotate else None)
                             for p in ("fwd", "bwd")}
     return calls
 

@@ -63,14 +63,19 @@ class AttentionCall:
     in_block: int = 0
     # q, k, v, dO readable by TMA as [N, H * D] rows (16-byte aligned) and gradients laid out as such rows.
     tma_rows: bool = True
+    # The rotary angles' dtype where TMA can read them as [N, D] rows (16-byte aligned), else None.
+    angles_dtype: torch.dtype | None = None
 
     @classmethod
     def of(cls, pass_name: str, q: torch.Tensor, k: torch.Tensor, block_size: int, rotate: int, in_block: int = 0,
-           tensors: tuple[torch.Tensor, ...] = (), grads: tuple[torch.Tensor, ...] = ()) -> AttentionCall:
+           tensors: tuple[torch.Tensor, ...] = (), grads: tuple[torch.Tensor, ...] = (),
+           angles: torch.Tensor | None = None) -> AttentionCall:
         """The call on ``q [N, Hq, D]`` and ``k [N, Hkv, D]``; ``tensors`` and ``grads`` are those whose layout a
-        backend reads (the backward's inputs and gradients)."""
+        backend reads (the backward's inputs and gradients), ``angles`` the rotary's ``sinu_pos`` where a backend
+        may read it by TMA."""
         return cls(pass_name, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], block_size, rotate, in_block,
-                   all(tma_readable(t) for t in tensors) and all(rows_of_heads(g) for g in grads))
+                   all(tma_readable(t) for t in tensors) and all(rows_of_heads(g) for g in grads),
+                   angles.dtype if angles is not None and tma_readable(angles.unsqueeze(1)) else None)
 
 
 def rows_of_heads(t: torch.Tensor) -> bool:
@@ -163,8 +168,9 @@ BACKENDS: dict[str, Backend] = {
                 "at D = 32 to 256 but for the rotary without GQA from D = 4 x block size; with or without GQA, "
                 "fp16/bf16, plain or rotary; the in-block options at 64-token blocks up to D = 128, under GQA not both "
                 "biases together). Forward: warp-specialised and persistent, a TMA producer warp and two consumer "
-                "warpgroups (64-row tiles, D = 32 to 128, fp16/bf16/fp8, plain; 128-token blocks in two halves; "
-                "where it measured faster than the Triton forward)", _sm90_why_not,
+                "warpgroups (64-row tiles, D = 32 to 128, fp16/bf16/fp8, plain, or fp16/bf16 with a rotary turned "
+                "by a fourth warpgroup and the consumers; 128-token blocks in two halves; where it measured faster "
+                "than the Triton forward)", _sm90_why_not,
                 forward=None if sm90_fwd_ops is None else sm90_fwd_ops.block_attention_fwd_sm90,
                 backward=None if sm90_ops is None else sm90_ops.block_attention_bwd_sm90,
                 finds_blocks=_sm90_finds_blocks),

@@ -91,7 +91,8 @@ def _forward(q, k, v, offsets, sinu_pos, block_size, scale, rotate, options: InB
     table where :func:`_builds_buckets` (else ``buckets`` is None). Only the eager route passes no table: the forward
     op's outputs hold one (:func:`_op_table`)."""
     rotate = _rotate_mask(sinu_pos, rotate)
-    call = AttentionCall.of("fwd", q, k, block_size, rotate, options.bits, tensors=(q, k, v))
+    call = AttentionCall.of("fwd", q, k, block_size, rotate, options.bits, tensors=(q, k, v),
+                            angles=sinu_pos if rotate else None)
     backend = backends.select(call)
     table = _call_table(backend, call, offsets, q.shape[0], block_size, block_cum, block_seq)
     built = table if block_cum is None and isinstance(table, BlockTable) else None

@@ -27,6 +27,14 @@ their values zeroed in shared memory before the product (a NaN there must not re
 stored. In a tile of several blocks a NaN or inf in one block's values reaches the others, as in the Triton forward's
 tiles (docs/semantics.md).
 
+With a rotary (16 bits, 64-row tiles) the producer also lands each item's angles (``[sin | cos]`` rows, fp32 or the
+inputs' dtype) into an angle tile of the item's consumer (two a consumer where shared memory holds them, else one:
+at D = 128, which then takes one k/v slot a consumer), and a fourth partition, the turner warpgroup, turns each
+item's k and v in place in shared memory (in fp32, rounded as an unfused rotary stores them) before handing them to
+the consumer. The consumer turns each query head's q in registers: loaded from shared memory as the first operand
+of ``Q K^T``, whose threads hold whole pairs, 32 columns at a time, so that no data crosses threads and the compiler
+adds no barrier. It releases the angle tile after the item's last head.
+
 fp8 inputs (``ops.fp8``): ``Q K^T`` runs on fp8 wgmma; each consumer widens its item's values into an fp16 tile of
 its own in shared memory (``P V``'s second operand must be K-major at 8 bits, which the value rows are not), rows
 past the tile's end zeroed there, and ``P`` is fp16. At 128-token blocks the two consumers widen half of a block's
@@ -38,20 +46,20 @@ What did not pay (H200, the sweep's lengths, bf16, time over the floor; docs/ben
 consumer warpgroups (slower everywhere but at D = 32 without GQA; D = 128 8:2 1.60x against 1.11x with two; for
 fp8, faster only without GQA at D = 64, 1.44 -> 1.30x, and at 32-token blocks, where the tiles' NaN rule keeps the
 Triton forward; 2026-11-28 21:54 UTC); the rotary turned in shared memory by the consumers (1.43-4.42x over two
-versions, against the Triton forward's 1.19-1.46x: the angles' registers spill), and by a warpgroup of its own
-beside a producer warp (2026-11-29: 1.43-2.33x against 1.10-1.83x; a win at 16- and 32-token blocks, D = 128, 8:4
-with fp32 angles only, 1.65-1.70 -> 1.49-1.57x: one warpgroup turning every tile through shared memory is slower
-than the consumers need); fewer q slots than the group at D = 64 (8:2 1.41x against 1.16x with four); checking the
-values of tiles of several blocks for NaN or inf, to take the blocks apart where one is found (D = 128 8:4: 1.10 ->
-1.55x at 32-token blocks, 1.12 -> 1.82x at 16). For fp8, whose consumers bound it (Nsight Compute: 57% of the DRAM
-throughput at 8:8, where bf16 reaches 86%): more k/v slots a consumer (3 or 4: no gain, up to 1.28 -> 1.49x at
-8:2), the score scale inside the exponent (8:2 1.28 -> 1.43x), and a fourth partition of two warps (40 registers a
-thread) widening the values for the consumers (D = 128 at 64-token blocks: 1.20-1.31x -> 1.42-1.58x). Both kernels
-(2026-11-29): the output staged in shared memory and stored by TMA where a consumer's rows are whole (the consumer
-moves on while it drains), which lost under GQA (128-token blocks at D = 128 8:2 1.46 -> 1.95x, 64-token blocks at
-D = 64 8:2 1.21 -> 1.31x, fp8 8:2 1.29 -> 1.48x); and in the halves kernel the two consumers' products issued in
-turns (ping-pong, one's softmax while the other's products run): with the next head's ``Q K^T`` after the softmax,
-8:1 1.64 -> 1.85x; with only ``P V`` in turns, 8:1 1.64 -> 1.61x but 8:2 1.40 -> 1.43x and 8:4 1.15 -> 1.17x.
+versions, against the Triton forward's 1.19-1.46x: the angles' registers spill), and q turned in shared memory by
+the turner too (2026-11-29: 1.43-2.33x against 1.10-1.83x: one warpgroup turning every tile, ten an item at 8:1,
+was slower than the consumers need); fewer q slots than the group at D = 64 (8:2 1.41x against 1.16x with four);
+checking the values of tiles of several blocks for NaN or inf, to take the blocks apart where one is found (D = 128
+8:4: 1.10 -> 1.55x at 32-token blocks, 1.12 -> 1.82x at 16). For fp8, whose consumers bound it (Nsight Compute: 57%
+of the DRAM throughput at 8:8, where bf16 reaches 86%): more k/v slots a consumer (3 or 4: no gain, up to 1.28 ->
+1.49x at 8:2), the score scale inside the exponent (8:2 1.28 -> 1.43x), and a fourth partition of two warps (40
+registers a thread) widening the values for the consumers (D = 128 at 64-token blocks: 1.20-1.31x -> 1.42-1.58x).
+Both kernels (2026-11-29): the output staged in shared memory and stored by TMA where a consumer's rows are whole
+(the consumer moves on while it drains), which lost under GQA (128-token blocks at D = 128 8:2 1.46 -> 1.95x,
+64-token blocks at D = 64 8:2 1.21 -> 1.31x, fp8 8:2 1.29 -> 1.48x); and in the halves kernel the two consumers'
+products issued in turns (ping-pong, one's softmax while the other's products run): with the next head's ``Q K^T``
+after the softmax, 8:1 1.64 -> 1.85x; with only ``P V`` in turns, 8:1 1.64 -> 1.61x but 8:2 1.40 -> 1.43x and 8:4
+1.15 -> 1.17x.
 """
 
 from __future__ import annotations
@@ -66,16 +74,28 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import devices
 from ..block_table import BlockTable
 from . import fp8, tiles
-from .block_attention_sm90 import _GL_DTYPES, _descriptor
+from .block_attention_sm90 import _GL_DTYPES, _descriptor, _pair_layout, _pairs, _prepare_tile, _unpairs
 from .flash_attention_sm90 import _zero_values_past
-from .gluon_sm90 import mma_layout, rows_layout, tma_load
+from .gluon_sm90 import barrier, mma_layout, rows_layout, tma_load
 from .in_block import InBlock
 from .launch import launch
-from .tiles import LOG2E, fp8_out_factor, fp8_output, fp8_score_scale, same_block, softmax_probs, tile_bounds
+from .tiles import (
+    LOG2E,
+    ROTATE_K,
+    ROTATE_Q,
+    ROTATE_V,
+    fp8_out_factor,
+    fp8_output,
+    fp8_score_scale,
+    same_block,
+    softmax_probs,
+    tile_bounds,
+)
 
 _HEAD_DIMS = (32, 64, 128)
 _MAX_GROUP = 8  # query heads a kv head (as measured and tested)
@@ -92,6 +112,16 @@ _PRODUCER_REGS = gl.constexpr(40)
 # 240/24 lost (D = 128 8:2 1.14 -> 1.26x, fp8 1.30 -> 1.42x).
 _HALVES_CONSUMER_REGS = gl.constexpr(240)
 _HALVES_PRODUCER_REGS = gl.constexpr(24)
+# With a rotary a fourth partition, a warpgroup, turns k and v (:func:`_turner`): its registers come out of the
+# consumers' (16 warps: 200 + 200 + 24 + 88 registers a thread of each warpgroup fill the register file). It turns
+# 64 columns at a time (16 took two barriers a chunk, from the compiler, for 32 registers less: 2.05-2.62x against
+# 1.56-1.98x the floor at D = 128, H200, 2026-11-29, when it turned q too); the consumers turn q 32 columns at a time.
+_TURNER_REGS = gl.constexpr(88)
+_TURNING_CONSUMER_REGS = gl.constexpr(200)
+_TURN_COLUMNS = gl.constexpr(64)
+_Q_TURN_COLUMNS = gl.constexpr(32)
+# The angles' dtypes it reads: fp32, or 16 bits (the inputs' dtype).
+_ANGLE_GL_DTYPES = {torch.float32: gl.float32, **_GL_DTYPES}
 
 
 @gluon.jit
@@ -137,15 +167,19 @@ def _land_q(q_desc, q_smem, q_ready, q_empty, q_slot, use, row, col):
 
 
 @gluon.jit
-def _producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr):
+def _producer(loads, angle_loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr,
+              BATCH: gl.constexpr, ROTATE: gl.constexpr):
     """One warp: for each item, once its consumer released the slots, k and v into the consumer's next k/v slot
-    and each query head's q into its next q slot."""
+    and each query head's q into its next q slot (``kv_ready``: where k and v land, the turner's with a rotary);
+    with a rotary (``ROTATE``) first the item's angles into the consumer's next angle tile, once it released it."""
     (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr, block_cum_ptr,
      offsets_ptr, num_seqs, num_tokens, num_items) = loads
+    sinu_desc, angles, angles_landed, angles_free = angle_loads
     TILE: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
     KV_SLOTS: gl.constexpr = kv_smem.shape[0] // (2 * _CONSUMERS)
     Q_SLOTS: gl.constexpr = q_smem.shape[0] // _CONSUMERS
+    ANGLE_SLOTS: gl.constexpr = angles.shape[0] // _CONSUMERS
     count = (num_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
     loaded0 = 0  # items loaded for each consumer
     loaded1 = 0
@@ -159,6 +193,11 @@ def _producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl
                 row = _pick(starts, i).to(gl.int32)
                 kv_head = (gl.program_id(0) + j * gl.num_programs(0)) % NUM_KV_HEADS
                 n = gl.where(c == 0, loaded0, loaded1)
+                if ROTATE:
+                    a = c * ANGLE_SLOTS + n % ANGLE_SLOTS
+                    mbarrier.wait(angles_free.index(a), ((n // ANGLE_SLOTS) & 1) ^ 1)
+                    mbarrier.expect(angles_landed.index(a), sinu_desc.block_type.nbytes)
+                    tma_load(sinu_desc, [row, 0], angles_landed.index(a), angles.index(a))
                 _land_kv(k_desc, v_desc, kv_smem, kv_ready, kv_empty, c * KV_SLOTS + n % KV_SLOTS, n // KV_SLOTS, row,
                          kv_head * D)
                 for g in range(GROUP):
@@ -167,6 +206,86 @@ def _producer(loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl
                             (kv_head * GROUP + g) * D)
                 loaded0 += (c == 0).to(gl.int32)
                 loaded1 += (c == 1).to(gl.int32)
+
+
+@gluon.jit
+def _turn_landed(tile, angles, length, TURN: gl.constexpr):
+    """Where ``TURN``, turn a landed ``[TILE, D]`` tile in place by its rows' angles (``angles``: the item's
+    ``[TILE, D]`` ``[sin | cos]`` in shared memory), :data:`_TURN_COLUMNS` columns at a time, rows from ``length`` on
+    zeroed (``block_attention_sm90._prepare_tile``: in fp32, rounded as an unfused rotary stores it)."""
+    if TURN:
+        TILE: gl.constexpr = tile.shape[0]
+        D: gl.constexpr = tile.shape[1]
+        W: gl.constexpr = min(_TURN_COLUMNS, D)
+        layout: gl.constexpr = _pair_layout(W, gl.num_warps())
+        rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, layout))
+        row_ok = (rows < length)[:, None]
+        for c in gl.static_range(D // W):
+            sin = angles.slice(c * (W // 2), W // 2, dim=1).load(layout).to(gl.float32)
+            cos = angles.slice(D // 2 + c * (W // 2), W // 2, dim=1).load(layout).to(gl.float32)
+            _prepare_tile(tile.slice(c * W, W, dim=1), sin, cos, row_ok, 1, False)
+
+
+@gluon.jit
+def _handed_over(ready):
+    """The turner's accesses to a turned tile done by every thread and visible to the async proxy, then ``ready``
+    arrived on: its consumer may read it."""
+    fence_async_shared()
+    barrier()
+    mbarrier.arrive(ready)
+
+
+@gluon.jit
+def _turner(turns, NUM_KV_HEADS: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr, ROTATE: gl.constexpr):
+    """A warpgroup, with a rotary: each item's k and v, once landed, turned in place by the item's angles and handed
+    to its consumer (which turns q itself, in registers: :func:`_turned_scores`)."""
+    (kv_smem, kv_landed, kv_ready, angles, angles_landed, block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs,
+     num_tokens, num_items) = turns
+    TILE: gl.constexpr = kv_smem.shape[1]
+    KV_SLOTS: gl.constexpr = kv_smem.shape[0] // (2 * _CONSUMERS)
+    ANGLE_SLOTS: gl.constexpr = angles.shape[0] // _CONSUMERS
+    count = (num_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+    loaded0 = 0  # items turned for each consumer
+    loaded1 = 0
+    for first in range(0, count, BATCH):
+        _, lengths, _, _, _ = _batch_bounds(block_seq_ptr, block_cum_ptr, offsets_ptr, num_seqs, num_tokens,
+                                            num_items, first, NUM_KV_HEADS, TILE, BLOCKS, BATCH)
+        for i in range(gl.minimum(BATCH, count - first)):
+            c = (first + i) % _CONSUMERS
+            length = _pick(lengths, i)
+            if length > 0:
+                n = gl.where(c == 0, loaded0, loaded1)
+                a = c * ANGLE_SLOTS + n % ANGLE_SLOTS
+                mbarrier.wait(angles_landed.index(a), (n // ANGLE_SLOTS) & 1)
+                kv_slot = c * KV_SLOTS + n % KV_SLOTS
+                mbarrier.wait(kv_landed.index(kv_slot), (n // KV_SLOTS) & 1)
+                _turn_landed(kv_smem.index(2 * kv_slot), angles.index(a), length, ROTATE & ROTATE_K)
+                _turn_landed(kv_smem.index(2 * kv_slot + 1), angles.index(a), length, ROTATE & ROTATE_V)
+                _handed_over(kv_ready.index(kv_slot))
+                loaded0 += (c == 0).to(gl.int32)
+                loaded1 += (c == 1).to(gl.int32)
+
+
+@gluon.jit
+def _turned_scores(q, k, angles, s_zero):
+    """``S = turn(Q) K^T``, q turned in registers as the product's first operand, :data:`_Q_TURN_COLUMNS` columns at
+    a time (by the angles of the item's ``[TILE, D]`` ``[sin | cos]`` tile; in fp32, rounded as an unfused rotary
+    stores it): loaded from shared memory in the operand's layout, whose threads hold whole pairs, so that neither
+    the turn nor the product moves data between threads."""
+    D: gl.constexpr = q.shape[1]
+    W: gl.constexpr = min(_Q_TURN_COLUMNS, D)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_zero.type.layout, k_width=2)
+    scores = s_zero
+    for c in gl.static_range(D // W):
+        even, odd = _pairs(q.slice(c * W, W, dim=1).load(a_layout))
+        sin = angles.slice(c * (W // 2), W // 2, dim=1).load(even.type.layout).to(gl.float32)
+        cos = angles.slice(D // 2 + c * (W // 2), W // 2, dim=1).load(even.type.layout).to(gl.float32)
+        even = even.to(gl.float32)
+        odd = odd.to(gl.float32)
+        turned = _unpairs((even * cos - odd * sin).to(q.dtype), (odd * cos + even * sin).to(q.dtype))
+        scores = warpgroup_mma(gl.convert_layout(turned, a_layout), k.slice(c * W, W, dim=1).permute((1, 0)),
+                               scores, use_acc=c > 0, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
 
 
 @gluon.jit
@@ -195,12 +314,13 @@ def _widen_values(values, widened, first_row, length):
 
 @gluon.jit
 def _item_heads(q_smem, q_ready, q_empty, k, v, kv_released, first_q, length, start, kv_head, o_ptr, stride_on,
-                qk_scale_log2, out_factor, keys, offs_j, rows, cols, s_zero, o_zero, p_layout: gl.constexpr,
+                qk_scale_log2, out_factor, keys, offs_j, rows, cols, s_zero, o_zero, angles, p_layout: gl.constexpr,
                 out_layout: gl.constexpr, Q_SLOTS: gl.constexpr, C: gl.constexpr, GROUP: gl.constexpr,
-                FP8: gl.constexpr):
+                FP8: gl.constexpr, TURN_Q: gl.constexpr):
     """A consumer's work on one item, every query head of its group in turn (q tiles ``first_q ...`` of consumer
-    ``C``): ``S = Q K^T``, the exact softmax over the item's keys (``keys``: :func:`tiles.same_block`'s, or None),
-    ``O = P V``, the rows ``rows`` of ``O`` stored up to ``length``; ``kv_released`` arrived on after the last head.
+    ``C``): ``S = Q K^T`` (with ``TURN_Q``, q turned by the item's ``angles``: :func:`_turned_scores`), the exact
+    softmax over the item's keys (``keys``: :func:`tiles.same_block`'s, or None), ``O = P V``, the rows ``rows`` of
+    ``O`` stored up to ``length``; ``kv_released`` arrived on after the last head.
 
     One head at a time. The old rule's runs of 2 or 4 heads unrolled, within which the next head's ``Q K^T`` ran
     during this head's softmax (two score tiles live), lost or tied everywhere (H200, 2026-11-29, the sweep's
@@ -213,8 +333,11 @@ def _item_heads(q_smem, q_ready, q_empty, k, v, kv_released, first_q, length, st
     pv_dtype: gl.constexpr = gl.float16 if FP8 else q_smem.dtype
     for g in range(GROUP):
         q, q_slot = _q_ready(q_smem, q_ready, first_q + g, Q_SLOTS, C)
-        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if TURN_Q:
+            scores = _turned_scores(q, k, angles, s_zero)
+        else:
+            s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(q_empty.index(q_slot))
         p = softmax_probs(scores, offs_j < length, qk_scale_log2, keys=keys)
         p = gl.convert_layout(p.to(pv_dtype), p_layout)
@@ -229,12 +352,13 @@ def _item_heads(q_smem, q_ready, q_empty, k, v, kv_released, first_q, length, st
 
 @gluon.jit
 def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, BATCH: gl.constexpr,
-              FP8: gl.constexpr, C: gl.constexpr):
+              FP8: gl.constexpr, C: gl.constexpr, ROTATE: gl.constexpr):
     """Consumer warpgroup ``C``: the items ``j`` of this program with ``j % _CONSUMERS == C``, every query head of
     each."""
     (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, o_ptr, stride_on, block_seq_ptr, block_cum_ptr, offsets_ptr,
      num_seqs, num_tokens, num_items, qk_scale_log2, v16_smem, q_descale_ptr, k_descale_ptr, v_descale_ptr,
-     out_scale_ptr) = work
+     out_scale_ptr, angles, angles_landed, angles_free) = work
+    ANGLE_SLOTS: gl.constexpr = angles.shape[0] // _CONSUMERS
     TILE: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
@@ -291,9 +415,15 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
                     keys = same_block(offs_i, offs_j, _pick(seconds, i), TILE, TILE)
                 else:
                     keys = None
+                # With a rotary, the item's angles (landed before the turner turned k and v) turn each head's q.
+                a = C * ANGLE_SLOTS + done % ANGLE_SLOTS
+                if ROTATE:
+                    mbarrier.wait(angles_landed.index(a), (done // ANGLE_SLOTS) & 1)
                 _item_heads(q_smem, q_ready, q_empty, k, v, kv_empty.index(slot), done * GROUP, length, start, kv_head,
                             o_ptr, stride_on, qk_scale_log2, out_factor, keys, offs_j, rows, cols, s_zero, o_zero,
-                            p_layout, out_layout, Q_SLOTS, C, GROUP, FP8)
+                            angles.index(a), p_layout, out_layout, Q_SLOTS, C, GROUP, FP8, ROTATE & ROTATE_Q)
+                if ROTATE:
+                    mbarrier.arrive(angles_free.index(a))
                 done += 1
 
 
@@ -301,10 +431,13 @@ def _consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.
 def _block_attention_fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_ptr, block_seq_ptr, block_cum_ptr, offsets_ptr,
     num_seqs, num_tokens, num_items, qk_scale_log2, stride_on, q_descale_ptr, k_descale_ptr, v_descale_ptr,
-    out_scale_ptr,
+    out_scale_ptr, sinu_desc,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr, KV_SLOTS: gl.constexpr,
-    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr, FP8: gl.constexpr,
+    Q_SLOTS: gl.constexpr, BATCH: gl.constexpr, FP8: gl.constexpr, ROTATE: gl.constexpr, ANGLE_SLOTS: gl.constexpr,
 ):
+    # ROTATE (a mask of tiles.ROTATE_Q/K/V): a turner warpgroup turns k and v in shared memory, and the consumers
+    # turn q in registers, by the angles of ``sinu_desc`` ([N, D] rows of [sin | cos], TILE rows a load), ANGLE_SLOTS
+    # tiles a consumer; otherwise ``sinu_desc`` is a stand-in, never read.
     TILE: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -326,17 +459,43 @@ def _block_attention_fwd_sm90_kernel(
     for i in gl.static_range(_CONSUMERS * Q_SLOTS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
+    if ROTATE:
+        # k and v land on barriers of their own, where the turner waits; the consumers' are the turner's.
+        kv_landed = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * KV_SLOTS, 1], mbarrier.MBarrierLayout())
+        angles_landed = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * ANGLE_SLOTS, 1], mbarrier.MBarrierLayout())
+        angles_free = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * ANGLE_SLOTS, 1], mbarrier.MBarrierLayout())
+        angles = gl.allocate_shared_memory(sinu_desc.dtype, [_CONSUMERS * ANGLE_SLOTS, TILE, D], sinu_desc.layout)
+        for i in gl.static_range(_CONSUMERS * KV_SLOTS):
+            mbarrier.init(kv_landed.index(i), count=1)
+        for i in gl.static_range(_CONSUMERS * ANGLE_SLOTS):
+            mbarrier.init(angles_landed.index(i), count=1)
+            mbarrier.init(angles_free.index(i), count=1)
+    else:  # stand-ins, never read
+        kv_landed = kv_ready
+        angles_landed = kv_ready
+        angles_free = kv_empty
+        angles = kv_smem
     # Each partition's runtime arguments as one tuple, its constexprs after it (inside a tuple a constexpr would
     # turn into a plain value).
     work = (kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, o_ptr, stride_on, block_seq_ptr, block_cum_ptr,
             offsets_ptr, num_seqs, num_tokens, num_items, qk_scale_log2, v16_smem, q_descale_ptr, k_descale_ptr,
-            v_descale_ptr, out_scale_ptr)
-    loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr,
+            v_descale_ptr, out_scale_ptr, angles, angles_landed, angles_free)
+    loads = (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_landed, kv_empty, q_ready, q_empty, block_seq_ptr,
              block_cum_ptr, offsets_ptr, num_seqs, num_tokens, num_items)
-    gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 0)),
-                        (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 1)),
-                        (_producer, (loads, NUM_KV_HEADS, GROUP, BLOCKS, BATCH))],
-                       [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+    angle_loads = (sinu_desc, angles, angles_landed, angles_free)
+    if ROTATE:
+        turns = (kv_smem, kv_landed, kv_ready, angles, angles_landed, block_seq_ptr, block_cum_ptr, offsets_ptr,
+                 num_seqs, num_tokens, num_items)
+        gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 0, ROTATE)),
+                            (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 1, ROTATE)),
+                            (_producer, (loads, angle_loads, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, ROTATE)),
+                            (_turner, (turns, NUM_KV_HEADS, BLOCKS, BATCH, ROTATE))],
+                           [4, 1, 4], [_TURNING_CONSUMER_REGS, _HALVES_PRODUCER_REGS, _TURNER_REGS])
+    else:
+        gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 0, ROTATE)),
+                            (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 1, ROTATE)),
+                            (_producer, (loads, angle_loads, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, ROTATE))],
+                           [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 @gluon.jit
@@ -432,7 +591,7 @@ def _halves_consumer(work, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BATC
                 # and not stored.
                 _item_heads(q_smem, q_ready, q_empty, k, v, kv_empty.index(slot), done * GROUP, length, start, kv_head,
                             o_ptr, stride_on, qk_scale_log2, out_factor, None, offs_j, rows, cols, s_zero, o_zero,
-                            p_layout, out_layout, Q_SLOTS, C, GROUP, FP8)
+                            k, p_layout, out_layout, Q_SLOTS, C, GROUP, FP8, 0)
                 done += 1
 
 
@@ -481,17 +640,41 @@ def _block_attention_fwd_sm90_halves_kernel(
                        [4, 1], [_HALVES_CONSUMER_REGS, _HALVES_PRODUCER_REGS])
 
 
-def _q_slots(head_dim: int, group: int, element_size: int, block_size: int) -> int:
+def _angle_slots(head_dim: int, element_size: int, angle_size: int) -> int:
+    """Angle tiles a consumer, with a rotary (of ``angle_size``-byte angles): two, so that an item's angles land
+    while the consumer still reads the last item's, where they leave room for one k/v slot and two q slots a
+    consumer; else one."""
+    tile = tiles.TILE_ROWS * head_dim
+    two = _CONSUMERS * (2 * tile * angle_size + (2 + 2) * tile * element_size)
+    return 2 if two <= _RING_BYTES else 1
+
+
+def _kv_slots(head_dim: int, element_size: int, angle_bytes: int) -> int:
+    """k/v slots a consumer of the 64-row kernel: :data:`_KV_SLOTS`, or one where the angle tiles (``angle_bytes``
+    in all) leave no room for them beside two q slots (a rotary at D = 128)."""
+    tile = tiles.TILE_ROWS * head_dim * element_size
+    return _KV_SLOTS if _CONSUMERS * (2 * _KV_SLOTS + 2) * tile <= _RING_BYTES - angle_bytes else 1
+
+
+def _q_slots(head_dim: int, group: int, element_size: int, block_size: int, angle_bytes: int = 0,
+             kv_slots: int = _KV_SLOTS) -> int:
     """q slots a consumer: the whole group's (up to 8), as many as :data:`_RING_BYTES` holds beside the k/v slots
     (and, for fp8, the values widened to 16 bits: a 64-row tile a consumer, or at 128-token blocks two whole blocks'
-    in turn; the compiler's staging of the outputs takes the rest of the shared memory), at least two: the producer
-    waits for a free q slot, and with fewer slots than the group it cannot load the other consumer's next item
-    meanwhile. At 128-token blocks the two shared k/v slots hold as many bytes as the four 64-row ones of the other
-    kernel."""
+    in turn; with a rotary, the angle tiles, ``angle_bytes`` in all; the compiler's staging of the outputs takes
+    the rest of the shared memory), at least two: the producer waits for a free q slot, and with fewer slots than
+    the group it cannot load the other consumer's next item meanwhile. At 128-token blocks the two shared k/v slots
+    hold as many bytes as the four 64-row ones of the other kernel."""
     tile = tiles.TILE_ROWS * head_dim * element_size
     widened_rows = 2 * max(block_size, tiles.TILE_ROWS)
-    ring = _RING_BYTES - (widened_rows * head_dim * 2 if element_size == 1 else 0)
-    return int(max(2, min(group, ring // (_CONSUMERS * tile) - 2 * _KV_SLOTS)))
+    ring = _RING_BYTES - (widened_rows * head_dim * 2 if element_size == 1 else 0) - angle_bytes
+    return int(max(2, min(group, ring // (_CONSUMERS * tile) - 2 * kv_slots)))
+
+
+def _angles_descriptor(sinu_pos: torch.Tensor) -> TensorDescriptor:
+    """The producer's angle loads: a 64-row tile of ``[N, D]`` ``[sin | cos]`` rows."""
+    n, d = sinu_pos.shape
+    layout = gl.NVMMASharedLayout.get_default_for([tiles.TILE_ROWS, d], _ANGLE_GL_DTYPES[sinu_pos.dtype])
+    return TensorDescriptor(sinu_pos, [n, d], [sinu_pos.stride(0), 1], [tiles.TILE_ROWS, d], layout)
 
 
 def why_not(call) -> str | None:
@@ -526,8 +709,20 @@ def _triton_faster(call) -> str | None:
     -> 1.29x, 2.06 -> 1.40x; D = 64 1.47 -> 1.20x, 2.02 -> 1.57x, 2.17 -> 1.73x, 2.35 -> 1.74x; D = 32 2.42 ->
     2.04x, 2.77 -> 2.58x, 2.96 -> 2.88x, 3.11 -> 3.09x; fp8: D = 128 1.97 -> 1.59x, 2.35 -> 1.62x, 2.63 -> 1.68x,
     2.63 -> 1.74x; D = 64 2.14 -> 2.16x (a tie), 2.58 -> 2.23x, 2.91 -> 2.36x, 3.04 -> 2.38x; D = 32 3.40 -> 3.80x,
-    4.05 -> 4.04x, 4.42 -> 3.99x, 4.87 -> 4.14x). Measured on an H200 only (no H100 was lent)."""
+    4.05 -> 4.04x, 4.42 -> 3.99x, 4.87 -> 4.14x). Measured on an H200 only (no H100 was lent).
+
+    A rotary runs here at D = 128 with 2 query heads a kv head (H200, 2026-11-29, Triton -> this kernel, fp32 angles /
+    angles in the inputs' dtype: 64-token blocks 1.46 -> 1.25x / 1.55 -> 1.45x, 32-token blocks 1.65 -> 1.44x /
+    1.65 -> 1.61x, 16-token blocks 1.70 -> 1.55x / 1.64 -> 1.64x). Everywhere else the consumers, which turn every
+    query head's q, are slower than the Triton forward: 4 and 8 query heads a kv head at D = 128 (64-token blocks,
+    8:2 1.45 -> 1.51x, 8:1 1.41 -> 1.51x), without GQA (8:8 1.28 -> 1.33x), at D = 64 (1.10-1.27x -> 1.32-1.67x;
+    angles in the inputs' dtype 1.28-1.51x -> 1.43-1.59x, a gain of 0.04 at 8:4 alone) and at D = 32 (1.35-1.83x ->
+    1.88-2.00x)."""
     group = call.num_heads // call.num_kv_heads
+    if call.rotate:
+        if call.head_dim == 128 and group == 2:
+            return None
+        return "the Triton forward measured faster for a rotary at this head dim and GQA group"
     if call.block_size > tiles.TILE_ROWS:
         if call.dtype == fp8.FP8_DTYPE and call.head_dim == 32 and group == 1:
             return "the Triton forward measured faster for fp8 at 128-token blocks with D = 32 without GQA"
@@ -549,8 +744,16 @@ def kernel_reason(call) -> str | None:
     """Why this kernel cannot run a Hopper forward ``call`` (``backends.AttentionCall``), or ``None``."""
     if call.dtype not in _GL_DTYPES and call.dtype != fp8.FP8_DTYPE:
         return "takes float16, bfloat16 and float8_e4m3fn only"
-    if call.in_block or call.rotate:
-        return "takes no rotary and no in-block option"
+    if call.in_block:
+        return "takes no in-block option"
+    if call.rotate:
+        if call.dtype not in _GL_DTYPES:
+            return "takes a rotary with 16-bit inputs only"
+        if call.block_size > tiles.TILE_ROWS:
+            return f"takes a rotary at blocks of up to {tiles.TILE_ROWS} tokens"
+        if call.angles_dtype not in (torch.float32, call.dtype):
+            return ("takes a rotary's angles in float32 or the inputs' dtype, as [N, D] rows that TMA reads "
+                    "(16-byte aligned)")
     if call.head_dim not in _HEAD_DIMS:
         return f"takes D in {_HEAD_DIMS}"
     if call.num_heads // call.num_kv_heads > _MAX_GROUP:
@@ -564,7 +767,7 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              table: BlockTable, block_size: int, scale: float, sinu_pos: torch.Tensor | None,
                              rotate: int, options: InBlock, fp8_scales=None) -> torch.Tensor:
     """``out`` of a forward :func:`kernel_reason` takes (the dispatcher's forward signature, ``backends``: no
-    rotary or options; fp8 inputs with their ``fp8_scales``)."""
+    options; a rotary on angles TMA reads; fp8 inputs with their ``fp8_scales``)."""
     n, h, d = q.shape
     kv_heads = k.shape[1]
     out = tiles.new_output(q, dtype=None if fp8_scales is None else fp8_scales.out_dtype)
@@ -574,7 +777,11 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return out
     tile = tiles.TILE_ROWS
     grid = (min(num_items, devices.multiprocessors(q.device)),)
-    q_slots = _q_slots(d, h // kv_heads, q.element_size(), block_size)
+    angle_size = sinu_pos.element_size() if rotate else 0
+    angle_slots = _angle_slots(d, q.element_size(), angle_size)
+    angle_bytes = _CONSUMERS * angle_slots * tiles.TILE_ROWS * d * angle_size
+    kv_slots = _kv_slots(d, q.element_size(), angle_bytes)
+    q_slots = _q_slots(d, h // kv_heads, q.element_size(), block_size, angle_bytes, kv_slots)
     fp8_args = fp8.no_scales_args(out) if fp8_scales is None else fp8_scales.kernel_args()
     if block_size > tile:  # both consumers on each block, a half of its query rows each
         launch(
@@ -585,12 +792,14 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             Q_SLOTS=q_slots, BATCH=_BATCH, FP8=fp8_scales is not None, num_warps=4,
         )
         return out
+    q_desc = _descriptor(q, tile)
     launch(
         _block_attention_fwd_sm90_kernel, grid,
-        q_desc=_descriptor(q, tile), k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile), o_ptr=out,
+        q_desc=q_desc, k_desc=_descriptor(k, tile), v_desc=_descriptor(v, tile), o_ptr=out,
         **table.kernel_args(offsets), num_tokens=n, num_items=num_items, qk_scale_log2=scale * LOG2E,
-        stride_on=out.stride(0), **fp8_args,
-        NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=_KV_SLOTS,
-        Q_SLOTS=q_slots, BATCH=_BATCH, FP8=fp8_scales is not None, num_warps=4,
+        stride_on=out.stride(0), **fp8_args, sinu_desc=_angles_descriptor(sinu_pos) if rotate else q_desc,
+        NUM_KV_HEADS=kv_heads, GROUP=h // kv_heads, BLOCKS=blocks, KV_SLOTS=kv_slots,
+        Q_SLOTS=q_slots, BATCH=_BATCH, FP8=fp8_scales is not None, ROTATE=rotate, ANGLE_SLOTS=angle_slots,
+        num_warps=4,
     )
     return out
