@@ -105,7 +105,8 @@ def run_backend(name, q, k, v, do, offsets, block_size, sinu_pos=None, rotate=0,
     """``(out, dq, dk, dv)`` of one backend's launchers (``backends.BACKENDS[name]``), bypassing the dispatcher,
     then the gradients of ``in_block``'s biases where it has them; ``options`` go to the backward launcher (the
     Triton kernels' tuning overrides). ``out`` is None where the backend has no forward or ``forward`` is False (a
-    backward whose forward kernel does not take the call: the Hopper forward runs plain calls only)."""
+    backward whose forward kernel does not take the call: the Hopper forward takes no in-block option, and a rotary
+    only by angles TMA reads)."""
     backend = backends.BACKENDS[name]
     table = build_block_table(offsets, q.shape[0], block_size)
     rotate = rotate if sinu_pos is not None else 0

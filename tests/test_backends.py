@@ -162,7 +162,6 @@ def test_call_reads_the_layout_of_its_tensors():
     assert AttentionCall.of("fwd", q, q, 64, 7, angles=angles.bfloat16()).angles_dtype == torch.bfloat16
     for unreadable in (torch.randn(10, 256)[:, ::2], torch.randn(10, 130)[:, 2:], torch.randn(1282)[2:].view(10, 128)):
         assert AttentionCall.of("fwd", q, q, 64, 7, angles=unreadable).angles_dtype is None
-    assert AttentionCall.of("fwd", q, q, 64, 0).angles_dtype is None
 
 
 def flash_call(variant="auto", dtype=torch.bfloat16, head_dim=128, tma_ready=True, rows_follow=True):
@@ -230,8 +229,8 @@ def test_hopper_forward_rule(heads, head_dim, block_size, gpu_capability):
     forward: in 64-row tiles D = 128 under GQA of 2 to 4 query heads a kv head and D = 64 with 2 (fp8 at D = 64
     only at 64-token blocks), and fp8 at D = 128 without GQA at 64-token blocks; at 128-token blocks every head dim
     it takes but fp8 at D = 32 without GQA; a rotary at D = 128 with 2 query heads a kv head up to 64-token blocks,
-    its angles in fp32 or the inputs' dtype (never angles TMA cannot read: the call's ``angles_dtype`` is then
-    None); never D = 256, an in-block option, fp32 or rows TMA cannot read."""
+    its angles in fp32 or the inputs' dtype (at 16-token blocks fp32 only; never angles TMA cannot read: the call's
+    ``angles_dtype`` is then None); never D = 256, an in-block option, fp32 or rows TMA cannot read."""
     gpu_capability((9, 0))
     group = heads[0] // heads[1]
     supported = head_dim in (32, 64, 128)
@@ -248,9 +247,32 @@ def test_hopper_forward_rule(heads, head_dim, block_size, gpu_capability):
     assert select(fp8_call).name == ("sm90-gluon" if faster_fp8 else "triton")
     for angles in (torch.float32, torch.bfloat16):
         rotary = call("fwd", heads=heads, head_dim=head_dim, block_size=block_size, rotate=7, angles_dtype=angles)
-        turns = head_dim == 128 and group == 2 and block_size <= 64
+        turns = head_dim == 128 and group == 2 and (32 <= block_size <= 64
+                                                    or (block_size == 16 and angles == torch.float32))
         assert select(rotary).name == ("sm90-gluon" if turns else "triton")
     for other in ({"rotate": 7}, {"rotate": 7, "angles_dtype": torch.float16}, {"in_block": 1},
                   {"dtype": torch.float32}, {"tma_rows": False}):
         changed = call("fwd", heads=heads, head_dim=head_dim, block_size=block_size, **other)
         assert select(changed).name == "triton"
+
+
+@pytest.mark.skipif(backends.sm90_fwd_ops is None, reason="this triton has no Gluon Hopper API")
+@pytest.mark.parametrize("head_dim,group,angle_size,slots", [
+    (128, 2, 0, (0, 2, 2)),  # no rotary: two k/v slots a consumer, the group's q slots
+    (128, 2, 4, (1, 1, 2)),  # fp32 angles at D = 128: one angle tile and one k/v slot a consumer
+    (128, 4, 2, (2, 1, 2)),  # 16-bit angles at D = 128: two angle tiles, one k/v slot
+    (64, 8, 4, (2, 2, 4)),  # D = 64: two of each, q slots from what is left
+    (32, 8, 4, (2, 2, 8)),
+])
+def test_hopper_forward_rings_fit_their_shared_memory(head_dim, group, angle_size, slots):
+    """The 64-row forward's rings (k/v slots, q slots, with a rotary angle tiles, a consumer each) fill at most the
+    rings' budget, with at least two q slots a consumer (bf16 inputs)."""
+    fwd = backends.sm90_fwd_ops
+    angle_slots = fwd._angle_slots(head_dim, 2, angle_size) if angle_size else 0
+    angle_bytes = fwd._CONSUMERS * angle_slots * 64 * head_dim * angle_size
+    kv_slots = fwd._kv_slots(head_dim, 2, angle_bytes)
+    q_slots = fwd._q_slots(head_dim, group, 2, 64, angle_bytes, kv_slots)
+    assert (angle_slots, kv_slots, q_slots) == slots
+    tile = 64 * head_dim * 2
+    assert fwd._CONSUMERS * (2 * kv_slots + q_slots) * tile + angle_bytes <= fwd._RING_BYTES
+    assert q_slots >= 2

@@ -414,6 +414,10 @@ def test_dispatcher_on_this_gpu():
         assert chosen("fwd", q, k, v, do, (), block_size, rotate) == (production if halves else "triton")
         # 3 query heads a kv head, plain: the warp-specialised forward (in halves at 128-token blocks)
         assert chosen("fwd", *gqa[:4], (), block_size, rotate) == (production if not rotate else "triton")
+        # 2 query heads a kv head with fp32 angles TMA reads: the warp-specialised forward up to 64-token blocks
+        angles = random_angles(100, 128, torch.float32, "cuda")
+        call = AttentionCall.of("fwd", q[:, :2], k[:, :1], block_size, ROTATE_ALL, tensors=(q, k, v), angles=angles)
+        assert backends.select(call).name == (production if block_size <= 64 else "triton")
     padded_heads = torch.randn(100, 3, 136, dtype=torch.bfloat16, device="cuda")[..., :128]
     odd_rows = torch.randn(100, 385, dtype=torch.bfloat16, device="cuda")[:, :384].view(100, 3, 128)
     for other in [
@@ -593,6 +597,7 @@ def test_sm90_forward_rotary_operands_and_angles(head_dim, dtype, angles_dtype, 
     strided = torch.stack([sinu_pos, sinu_pos], dim=-1).flatten(1)[:, ::2]
     call = AttentionCall.of("fwd", q, k, 64, mask, tensors=(q, k, v), angles=strided)
     assert "angles" in backends.sm90_fwd_ops.kernel_reason(call)
+    assert backends.select(call).name == "triton"
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
@@ -602,7 +607,7 @@ def test_sm90_forward_rotary_operands_and_angles(head_dim, dtype, angles_dtype, 
 def test_sm90_forward_rotary_several_items_a_program(heads, head_dim, block_size, monkeypatch, poisoned_outputs):
     """Two programs, so that each turns dozens of items in turn: the angle tiles and their barriers carried from item
     to item and past a batch of bounds (one tile a consumer at D = 128, reused item after item; two at D = 64), a
-    group of 5 query heads through 2 or 3 q slots a consumer."""
+    group of 5 query heads through 2 (D = 128) or 4 (D = 64) q slots a consumer."""
     monkeypatch.setattr(devices, "multiprocessors", lambda device: 2)
     q, k, v, do, offsets = random_inputs(random_lengths(24, 700, block_size), *heads, head_dim, torch.bfloat16,
                                          "cuda")

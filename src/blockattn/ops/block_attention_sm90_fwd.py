@@ -28,8 +28,9 @@ stored. In a tile of several blocks a NaN or inf in one block's values reaches t
 tiles (docs/semantics.md).
 
 With a rotary (16 bits, 64-row tiles) the producer also lands each item's angles (``[sin | cos]`` rows, fp32 or the
-inputs' dtype) into an angle tile of the item's consumer (two a consumer where shared memory holds them, else one:
-at D = 128, which then takes one k/v slot a consumer), and a fourth partition, the turner warpgroup, turns each
+inputs' dtype) into an angle tile of the item's consumer (two a consumer where shared memory holds them beside one
+k/v slot and two q slots, else one: at D = 128 with fp32 angles; at D = 128 the angle tiles leave room for one k/v
+slot a consumer), and a fourth partition, the turner warpgroup, turns each
 item's k and v in place in shared memory (in fp32, rounded as an unfused rotary stores them) before handing them to
 the consumer. The consumer turns each query head's q in registers: loaded from shared memory as the first operand
 of ``Q K^T``, whose threads hold whole pairs, 32 columns at a time, so that no data crosses threads and the compiler
@@ -114,10 +115,12 @@ _HALVES_CONSUMER_REGS = gl.constexpr(240)
 _HALVES_PRODUCER_REGS = gl.constexpr(24)
 # With a rotary a fourth partition, a warpgroup, turns k and v (:func:`_turner`): its registers come out of the
 # consumers' (16 warps: 200 + 200 + 24 + 88 registers a thread of each warpgroup fill the register file). It turns
-# 64 columns at a time (16 took two barriers a chunk, from the compiler, for 32 registers less: 2.05-2.62x against
-# 1.56-1.98x the floor at D = 128, H200, 2026-11-29, when it turned q too); the consumers turn q 32 columns at a time.
+# 64 columns at a time: the compiler puts two barriers in each chunk (its load and store hit one allocation), which
+# at 16 columns a step set the prototypes' time (docs/benchmarks.md, 2026-11-29). The consumers turn q 32 columns at
+# a time.
 _TURNER_REGS = gl.constexpr(88)
 _TURNING_CONSUMER_REGS = gl.constexpr(200)
+_TURNING_PRODUCER_REGS = gl.constexpr(24)
 _TURN_COLUMNS = gl.constexpr(64)
 _Q_TURN_COLUMNS = gl.constexpr(32)
 # The angles' dtypes it reads: fp32, or 16 bits (the inputs' dtype).
@@ -170,9 +173,10 @@ def _land_q(q_desc, q_smem, q_ready, q_empty, q_slot, use, row, col):
 def _producer(loads, angle_loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCKS: gl.constexpr,
               BATCH: gl.constexpr, ROTATE: gl.constexpr):
     """One warp: for each item, once its consumer released the slots, k and v into the consumer's next k/v slot
-    and each query head's q into its next q slot (``kv_ready``: where k and v land, the turner's with a rotary);
-    with a rotary (``ROTATE``) first the item's angles into the consumer's next angle tile, once it released it."""
-    (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_ready, kv_empty, q_ready, q_empty, block_seq_ptr, block_cum_ptr,
+    and each query head's q into its next q slot (``kv_landed``: where k and v land, the consumer's ready barriers,
+    or with a rotary the turner's); with a rotary (``ROTATE``) first the item's angles into the consumer's next
+    angle tile, once it released it."""
+    (q_desc, k_desc, v_desc, kv_smem, q_smem, kv_landed, kv_empty, q_ready, q_empty, block_seq_ptr, block_cum_ptr,
      offsets_ptr, num_seqs, num_tokens, num_items) = loads
     sinu_desc, angles, angles_landed, angles_free = angle_loads
     TILE: gl.constexpr = q_smem.shape[1]
@@ -198,8 +202,8 @@ def _producer(loads, angle_loads, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexp
                     mbarrier.wait(angles_free.index(a), ((n // ANGLE_SLOTS) & 1) ^ 1)
                     mbarrier.expect(angles_landed.index(a), sinu_desc.block_type.nbytes)
                     tma_load(sinu_desc, [row, 0], angles_landed.index(a), angles.index(a))
-                _land_kv(k_desc, v_desc, kv_smem, kv_ready, kv_empty, c * KV_SLOTS + n % KV_SLOTS, n // KV_SLOTS, row,
-                         kv_head * D)
+                _land_kv(k_desc, v_desc, kv_smem, kv_landed, kv_empty, c * KV_SLOTS + n % KV_SLOTS, n // KV_SLOTS,
+                         row, kv_head * D)
                 for g in range(GROUP):
                     qn = n * GROUP + g
                     _land_q(q_desc, q_smem, q_ready, q_empty, c * Q_SLOTS + qn % Q_SLOTS, qn // Q_SLOTS, row,
@@ -448,7 +452,8 @@ def _block_attention_fwd_sm90_kernel(
                                              gl.NVMMASharedLayout.get_default_for([TILE, D], gl.float16))
     else:  # a stand-in, never read
         v16_smem = kv_smem
-    # One barrier a slot: landed (the producer's TMA), released (its consumer).
+    # One barrier a slot: ready (the producer's TMA landed it; with a rotary, the turner handed k and v over),
+    # released (its consumer).
     kv_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * KV_SLOTS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * KV_SLOTS, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS * Q_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -490,7 +495,7 @@ def _block_attention_fwd_sm90_kernel(
                             (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 1, ROTATE)),
                             (_producer, (loads, angle_loads, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, ROTATE)),
                             (_turner, (turns, NUM_KV_HEADS, BLOCKS, BATCH, ROTATE))],
-                           [4, 1, 4], [_TURNING_CONSUMER_REGS, _HALVES_PRODUCER_REGS, _TURNER_REGS])
+                           [4, 1, 4], [_TURNING_CONSUMER_REGS, _TURNING_PRODUCER_REGS, _TURNER_REGS])
     else:
         gl.warp_specialize([(_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 0, ROTATE)),
                             (_consumer, (work, NUM_KV_HEADS, GROUP, BLOCKS, BATCH, FP8, 1, ROTATE)),
@@ -711,18 +716,19 @@ def _triton_faster(call) -> str | None:
     2.63 -> 1.74x; D = 64 2.14 -> 2.16x (a tie), 2.58 -> 2.23x, 2.91 -> 2.36x, 3.04 -> 2.38x; D = 32 3.40 -> 3.80x,
     4.05 -> 4.04x, 4.42 -> 3.99x, 4.87 -> 4.14x). Measured on an H200 only (no H100 was lent).
 
-    A rotary runs here at D = 128 with 2 query heads a kv head (H200, 2026-11-29, Triton -> this kernel, fp32 angles /
-    angles in the inputs' dtype: 64-token blocks 1.46 -> 1.25x / 1.55 -> 1.45x, 32-token blocks 1.65 -> 1.44x /
-    1.65 -> 1.61x, 16-token blocks 1.70 -> 1.55x / 1.64 -> 1.64x). Everywhere else the consumers, which turn every
-    query head's q, are slower than the Triton forward: 4 and 8 query heads a kv head at D = 128 (64-token blocks,
-    8:2 1.45 -> 1.51x, 8:1 1.41 -> 1.51x), without GQA (8:8 1.28 -> 1.33x), at D = 64 (1.10-1.27x -> 1.32-1.67x;
-    angles in the inputs' dtype 1.28-1.51x -> 1.43-1.59x, a gain of 0.04 at 8:4 alone) and at D = 32 (1.35-1.83x ->
-    1.88-2.00x)."""
+    A rotary runs here at D = 128 with 2 query heads a kv head, but angles in the inputs' dtype at 16-token blocks
+    (H200, 2026-11-29, the same-process A/B of 14:56-14:58 UTC, Triton -> this kernel, fp32 angles / angles in the
+    inputs' dtype: 64-token blocks 1.46 -> 1.25x / 1.55 -> 1.45x, 32-token blocks 1.65 -> 1.44x / 1.65 -> 1.61x,
+    16-token blocks 1.70 -> 1.55x / 1.64 -> 1.64x, a tie, which the sweep of 15:03 UTC measured 1.67x). Elsewhere
+    the consumers, which turn every query head's q, lose or tie: 4 and 8 query heads a kv head at D = 128 (64-token
+    blocks, 8:2 1.45 -> 1.51x, 8:1 1.41 -> 1.51x), without GQA (8:8 1.28 -> 1.33x), at D = 64 (fp32 angles
+    1.10-1.69x -> 1.32-1.67x, a tie at 16-token blocks 8:4; angles in the inputs' dtype 1.28-1.68x -> 1.43-1.97x, a
+    gain of 0.04 at 64-token blocks 8:4 alone) and at D = 32 (1.33-1.83x -> 1.88-2.00x)."""
     group = call.num_heads // call.num_kv_heads
     if call.rotate:
-        if call.head_dim == 128 and group == 2:
+        if call.head_dim == 128 and group == 2 and (call.block_size > 16 or call.angles_dtype == torch.float32):
             return None
-        return "the Triton forward measured faster for a rotary at this head dim and GQA group"
+        return "the Triton forward measured faster for a rotary at this head dim, GQA group and angle dtype"
     if call.block_size > tiles.TILE_ROWS:
         if call.dtype == fp8.FP8_DTYPE and call.head_dim == 32 and group == 1:
             return "the Triton forward measured faster for fp8 at 128-token blocks with D = 32 without GQA"
@@ -770,6 +776,7 @@ def block_attention_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     options; a rotary on angles TMA reads; fp8 inputs with their ``fp8_scales``)."""
     n, h, d = q.shape
     kv_heads = k.shape[1]
+    assert not rotate or (block_size <= tiles.TILE_ROWS and fp8_scales is None), "kernel_reason declines these"
     out = tiles.new_output(q, dtype=None if fp8_scales is None else fp8_scales.out_dtype)
     blocks = max(tiles.TILE_ROWS // block_size, 1)
     num_items = triton.cdiv(table.num_slots, blocks) * kv_heads
